@@ -1,0 +1,162 @@
+"""The public verb: ``kvpass(policy, **options)`` returns a dynamo backend."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from kvpass.policies.base import Policy, policy_from_dict
+from kvpass.runtime.state import KVPassError, Runtime
+
+__all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend"]
+
+
+class KVPassBackend:
+    """A torch.compile backend: Inductor with the kvpass graph pass installed.
+
+    One backend serves one model's sequences at a time; its per-site state lives here and is freed
+    with it. ``report()`` shows one row per attention site."""
+
+    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = False):
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"kvpass: kvpass() needs a policy such as kvpass.Quest(budget=1024), got "
+                f"{type(policy).__name__}: {policy!r}"
+            )
+        if not isinstance(strict, bool):
+            raise TypeError(f"kvpass: strict must be a bool, got {strict!r}")
+        import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops, once)
+        from kvpass.lowering.graph_pass import KVPassGraphPass
+
+        self.policy = policy
+        self.strict = strict
+        self.cache = bool(cache)
+        self.runtime = Runtime(policy)
+        self.graphs: list = []
+        self._site_ids: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._pass = KVPassGraphPass(self)
+
+    # -- dynamo backend protocol -----------------------------------------------------------------
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {"post_grad_custom_post_pass": self._pass}
+        if not self.cache:
+            # A cache hit skips the pass, so the report would miss that graph's sites and reasons.
+            patches["fx_graph_cache"] = False
+        seen = len(self.graphs)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        # Raised here rather than inside the pass, so that Inductor does not wrap the error.
+        for rec in self.graphs[seen:]:
+            self._check_unmatched(rec)
+        return compiled
+
+    # -- called by the graph pass ----------------------------------------------------------------
+    def _site_id(self, path: str, layer: int | None) -> int:
+        with self._lock:
+            if path not in self._site_ids:
+                used = set(self._site_ids.values())
+                sid = layer if layer is not None and layer not in used else max(used | {999}) + 1
+                self._site_ids[path] = sid
+            return self._site_ids[path]
+
+    def _record_graph(self, kind: str, rows: list[dict], unmatched: list) -> None:
+        from kvpass.lowering.graph_pass import GraphRecord
+
+        self.graphs.append(GraphRecord(index=len(self.graphs), kind=kind, sites=rows, unmatched=unmatched))
+
+    def _check_unmatched(self, rec) -> None:
+        if not rec.unmatched:
+            return
+        why = "; ".join(f"{u.module_path}: {u.reason}" for u in rec.unmatched[:3])
+        msg = (
+            f"kvpass: {len(rec.unmatched)} attention site(s) in graph {rec.index} were left exact "
+            f"({why}). See backend.report()."
+        )
+        if self.strict:
+            raise KVPassError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+    # -- user API --------------------------------------------------------------------------------
+    def report_rows(self) -> list[dict]:
+        """One dict per rewritten site (runtime statistics) plus one per site left exact."""
+        rows = [self.runtime.state(s).row() for s in sorted(self.runtime.infos)]
+        for rec in self.graphs:
+            for u in rec.unmatched:
+                rows.append(
+                    {"site": "-", "layer": u.layer, "module": u.module_path, "pattern": "left exact",
+                     "policy": "-", "reason": f"{u.reason} (graph {rec.index}, shape {u.shape})"}
+                )
+        return rows
+
+    def report(self) -> str:
+        """A plain-text table: layer, pattern, policy, tokens and bytes per tier, calls."""
+        rows = self.report_rows()
+        head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
+        if not rows:
+            return head + "\n  no attention site found yet (has the compiled model run?)"
+        cols = ["layer", "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
+                "device_bytes", "host_bytes", "prefill_calls", "decode_calls"]
+        table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        lines = [head] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+        for r in rows:
+            if "reason" in r:
+                lines.append(f"  left exact: {r['module']}: {r['reason']}")
+        return "\n".join(lines)
+
+    def reset(self) -> None:
+        """Forget every site's sequence state (a new prefill does this by itself)."""
+        self.runtime.reset()
+
+    def __repr__(self) -> str:
+        return f"kvpass({self.policy.describe()})"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, int) and v >= 1 << 20:
+        return f"{v / (1 << 20):.1f}MiB"
+    return str(v)
+
+
+def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
+    """Build the backend: ``torch.compile(model, backend=kvpass(Quest(budget=1024)))``.
+
+    Options:
+    - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact.
+    - ``cache`` (bool, default False): let Inductor's FX graph cache serve compiled graphs across
+      processes (keyed on the pass code, the policy and the backend handle). Faster warm starts, but
+      a cache hit skips the pass, so ``report()`` then lacks that graph's pattern and reasons.
+    """
+    unknown = set(options) - {"strict", "cache"}
+    if unknown:
+        raise TypeError(f"kvpass: unknown option(s) {sorted(unknown)}; expected: strict, cache")
+    return KVPassBackend(policy, **options)
+
+
+def kvpass_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
+    """The ``torch_dynamo_backends`` entry point: ``torch.compile(m, backend="kvpass",
+    options={"policy": Quest(budget=1024)})``. The backend is built on the first graph and kept in
+    ``options["backend"]`` so that every graph of that torch.compile call shares one runtime (read
+    ``options["backend"].report()`` afterwards)."""
+    if mode is not None:
+        raise KVPassError(f"kvpass: torch.compile(backend='kvpass') takes no mode, got mode={mode!r}")
+    if options is None or ("policy" not in options and "backend" not in options):
+        raise KVPassError(
+            "kvpass: torch.compile(model, backend='kvpass') needs options={'policy': kvpass.Quest(...)} "
+            "(or {'policy': {'name': 'Quest', 'budget': 1024}})"
+        )
+    backend = options.get("backend")
+    if backend is None:
+        policy = options["policy"]
+        if isinstance(policy, (str, dict)):
+            policy = policy_from_dict(policy)
+        backend = kvpass(policy, **{k: v for k, v in options.items() if k not in ("policy",)})
+        options["backend"] = backend
+    return backend(gm, example_inputs)
+
+

@@ -1,0 +1,1 @@
+"""Triton kernels, each file with its launcher and its plain-torch reference."""

@@ -1,0 +1,301 @@
+"""Quest page metadata and page scoring (Quest, arXiv 2406.10774).
+
+The cache is cut into pages of ``page_size`` consecutive tokens. Each page keeps the elementwise
+minimum and maximum of its keys; at decode the query scores every page with the upper bound
+
+    score[b, h, p] = sum_d max(q[b, h, d] * kmax[b, hk, p, d], q[b, h, d] * kmin[b, hk, p, d])
+
+(``hk = h // G``, HF ``repeat_kv`` order), and the top pages are attended exactly.
+
+Scoring uses ``max(q*a, q*b) = relu(q) * max(a, b) + min(q, 0) * min(a, b)``, which holds for any
+``a, b`` (kmin <= kmax is not assumed), so the score is two matrix products instead of a
+``(G, P, D)`` elementwise tensor. Metadata of live pages must be finite (``0 * inf`` is NaN in
+either form); pages at or beyond ``num_pages`` are never read and score ``-inf``.
+
+Contents: :func:`quest_page_minmax_ref` and :func:`quest_update_minmax_` (plain torch: metadata is
+built once at prefill and patched per decode step, neither is worth a kernel), the Triton scorer
+``_quest_page_scores_kernel`` / :func:`quest_page_scores` and its reference
+:func:`quest_page_scores_ref` (the CPU decode path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, tl, triton, triton_available
+
+__all__ = [
+    "quest_page_minmax_ref",
+    "quest_update_minmax_",
+    "quest_page_scores",
+    "quest_page_scores_ref",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Page metadata (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
+def _pages_minmax(x: torch.Tensor, lead: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page min/max of x ``(B, H, T, D)``, T >= 1, whose first token sits at slot ``lead`` of its
+    page. Returns two fp32 ``(B, H, ceil((lead + T) / page_size), D)`` tensors.
+
+    Slots outside x are filled with copies of a real token of the same page (the first token before
+    x, the last one after it): a duplicate changes neither min nor max, so one ``aminmax`` pass
+    serves both (no +inf padding for the min and -inf padding for the max).
+    """
+    B, H, T, D = x.shape
+    P = -(-(lead + T) // page_size)
+    buf = torch.empty((B, H, P * page_size, D), dtype=torch.float32, device=x.device)
+    buf[:, :, lead : lead + T] = x
+    if lead > 0:
+        buf[:, :, :lead] = x[:, :, :1]
+    if lead + T < P * page_size:
+        buf[:, :, lead + T :] = x[:, :, T - 1 : T]
+    kmin, kmax = torch.aminmax(buf.view(B, H, P, page_size, D), dim=3)
+    return kmin, kmax
+
+
+def quest_page_minmax_ref(
+    k: torch.Tensor, page_size: int, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page key minimum and maximum over positions ``[0, length)``.
+
+    Args:
+        k: ``(B, H_kv, S, D)`` keys, any float dtype and strides.
+        page_size: tokens per page (>= 1).
+        length: number of valid positions (default S); the last page may be partial, and only its
+            real tokens count.
+
+    Returns:
+        ``(kmin, kmax)``, each ``(B, H_kv, P, D)`` fp32 with ``P = ceil(length / page_size)``.
+    """
+    if k.dim() != 4:
+        raise ValueError(
+            f"kvpass: quest_page_minmax_ref needs k of shape (B, H_kv, S, D), got {tuple(k.shape)}"
+        )
+    if not k.is_floating_point():
+        raise ValueError(f"kvpass: quest_page_minmax_ref needs floating-point keys, got {k.dtype}")
+    if page_size < 1:
+        raise ValueError(f"kvpass: quest_page_minmax_ref needs page_size >= 1, got {page_size}")
+    B, H, S, D = k.shape
+    length = S if length is None else length
+    if not 0 <= length <= S:
+        raise ValueError(f"kvpass: quest_page_minmax_ref needs 0 <= length <= S={S}, got length={length}")
+    if length == 0:
+        empty = torch.empty((B, H, 0, D), dtype=torch.float32, device=k.device)
+        return empty, empty.clone()
+    return _pages_minmax(k[:, :, :length], 0, page_size)
+
+
+def quest_update_minmax_(
+    kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, start: int, page_size: int
+) -> None:
+    """Update page metadata in place for new keys at positions ``[start, start + T)``.
+
+    Args:
+        kmin, kmax: ``(B, H_kv, P_cap, D)`` metadata buffers (any float dtype), valid for positions
+            ``[0, start)``; slots of pages not yet opened may hold anything.
+        k_new: ``(B, H_kv, T, D)`` new keys (T may be 0, may cross page boundaries and open pages).
+        start: position of ``k_new[:, :, 0]`` (the number of tokens already summarised).
+        page_size: tokens per page.
+
+    The page holding ``start`` is merged with its stored min/max when it already has tokens
+    (``start % page_size != 0``); every page opened by ``k_new`` is overwritten from ``k_new`` alone,
+    so stale buffer content never leaks in. Raises ``ValueError`` when P_cap is too small.
+    """
+    who = "quest_update_minmax_"
+    if kmin.dim() != 4 or kmin.shape != kmax.shape:
+        raise ValueError(
+            f"kvpass: {who} needs kmin and kmax of one shape (B, H_kv, P_cap, D), "
+            f"got {tuple(kmin.shape)} and {tuple(kmax.shape)}"
+        )
+    if k_new.dim() != 4 or k_new.shape[:2] != kmin.shape[:2] or k_new.shape[3] != kmin.shape[3]:
+        raise ValueError(
+            f"kvpass: {who} needs k_new of shape (B, H_kv, T, D) = ({kmin.shape[0]}, {kmin.shape[1]}, T, "
+            f"{kmin.shape[3]}), got {tuple(k_new.shape)}"
+        )
+    if page_size < 1:
+        raise ValueError(f"kvpass: {who} needs page_size >= 1, got {page_size}")
+    if start < 0:
+        raise ValueError(f"kvpass: {who} needs start >= 0, got {start}")
+    T = k_new.shape[2]
+    if T == 0:
+        return
+    p0, lead = divmod(start, page_size)
+    P_cap = kmin.shape[2]
+    n_pages = -(-(lead + T) // page_size)
+    if p0 + n_pages > P_cap:
+        raise ValueError(
+            f"kvpass: {who} needs capacity for {p0 + n_pages} pages (positions up to {start + T}, "
+            f"page_size={page_size}), got P_cap={P_cap}; allocate larger kmin/kmax"
+        )
+    if n_pages == 1:
+        # Decode fast path (all new tokens in one page): no page buffer, ~4 small ops.
+        new_min, new_max = torch.aminmax(k_new.float(), dim=2, keepdim=True)
+    else:
+        new_min, new_max = _pages_minmax(k_new, lead, page_size)
+    if lead > 0:  # page p0 already summarises tokens [p0 * page_size, start)
+        new_min[:, :, 0] = torch.minimum(new_min[:, :, 0], kmin[:, :, p0].float())
+        new_max[:, :, 0] = torch.maximum(new_max[:, :, 0], kmax[:, :, p0].float())
+    kmin[:, :, p0 : p0 + n_pages] = new_min
+    kmax[:, :, p0 : p0 + n_pages] = new_max
+
+
+# --------------------------------------------------------------------------------------------------
+# Page scores
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quest_page_scores_kernel(
+    Q, KMIN, KMAX, OUT,
+    stride_qb, stride_qh, stride_qd,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_ob, stride_oh, stride_op,
+    H_KV, P, NUM_PAGES, D, G,
+    BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid: (B * H_kv, cdiv(P, BLOCK_P)); one program scores BLOCK_P pages for the G query heads of
+    # one KV head, so each page's metadata is read once per KV head.
+    pid_bh = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = (pid_bh // H_KV).to(tl.int64)
+    hk = (pid_bh % H_KV).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_g = offs_g < G
+    live = offs_p < NUM_PAGES  # dead pages are not even loaded (their slots may hold anything)
+    heads = hk * G + offs_g
+
+    q_base = Q + b * stride_qb + heads[:, None] * stride_qh
+    n_base = KMIN + b * stride_nb + hk * stride_nh + offs_p[:, None] * stride_np
+    x_base = KMAX + b * stride_xb + hk * stride_xh + offs_p[:, None] * stride_xp
+    s = tl.zeros([BLOCK_G, BLOCK_P], tl.float32)
+    # D in chunks keeps the two (BLOCK_P, BLOCK_D) tiles in registers for D up to 256
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        q = tl.load(q_base + offs_d[None, :] * stride_qd, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        q = q.to(tl.float32)
+        tile_mask = live[:, None] & mask_d[None, :]
+        a = tl.load(n_base + offs_d[None, :] * stride_nd, mask=tile_mask, other=0.0).to(tl.float32)
+        c = tl.load(x_base + offs_d[None, :] * stride_xd, mask=tile_mask, other=0.0).to(tl.float32)
+        hi = tl.maximum(a, c)
+        lo = tl.minimum(a, c)
+        # max(q*a, q*c) = relu(q) * max(a, c) + min(q, 0) * min(a, c); fp32 "ieee": exact products
+        s += tl.dot(tl.maximum(q, 0.0), tl.trans(hi), input_precision="ieee")
+        s += tl.dot(tl.minimum(q, 0.0), tl.trans(lo), input_precision="ieee")
+    s = tl.where(live[None, :], s, float("-inf"))
+    tl.store(
+        OUT + b * stride_ob + heads[:, None] * stride_oh + offs_p[None, :] * stride_op,
+        s,
+        mask=mask_g[:, None] & (offs_p < P)[None, :],
+    )
+
+
+def _check_scores_inputs(q, kmin, kmax, num_pages, who: str) -> int:
+    if q.dim() != 3:
+        raise ValueError(f"kvpass: {who} needs q of shape (B, H_q, D), got {tuple(q.shape)}")
+    if kmin.dim() != 4 or kmin.shape != kmax.shape:
+        raise ValueError(
+            f"kvpass: {who} needs kmin and kmax of one shape (B, H_kv, P, D), "
+            f"got {tuple(kmin.shape)} and {tuple(kmax.shape)}"
+        )
+    B, H_q, D = q.shape
+    H_kv = kmin.shape[1]
+    if kmin.shape[0] != B or kmin.shape[3] != D:
+        raise ValueError(
+            f"kvpass: {who} needs kmin/kmax of shape (B={B}, H_kv, P, D={D}) to match q, "
+            f"got {tuple(kmin.shape)}"
+        )
+    if H_kv == 0 or H_q % H_kv != 0:
+        raise ValueError(
+            f"kvpass: {who} needs H_q to be a multiple of H_kv, got H_q={H_q}, H_kv={H_kv}"
+        )
+    if not (q.is_floating_point() and kmin.is_floating_point() and kmax.is_floating_point()):
+        raise ValueError(
+            f"kvpass: {who} needs floating-point q, kmin, kmax, got {q.dtype}, {kmin.dtype}, {kmax.dtype}"
+        )
+    if kmin.device != q.device or kmax.device != q.device:
+        raise ValueError(f"kvpass: {who} needs q, kmin, kmax on one device")
+    P = kmin.shape[2]
+    num_pages = P if num_pages is None else int(num_pages)
+    if not 0 <= num_pages <= P:
+        raise ValueError(f"kvpass: {who} needs 0 <= num_pages <= P={P}, got num_pages={num_pages}")
+    return num_pages
+
+
+def quest_page_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    num_pages: int | None = None,
+    block_p: int = 128,
+) -> torch.Tensor:
+    """Triton Quest page scores.
+
+    Args:
+        q: ``(B, H_q, D)`` decode queries, ``H_q = H_kv * G``.
+        kmin, kmax: ``(B, H_kv, P, D)`` page metadata, any float dtype and strides (P may be a
+            capacity larger than the live page count).
+        num_pages: live pages (default P); pages ``>= num_pages`` get ``-inf`` and are not read.
+        block_p: pages per program (a power of two >= 16).
+
+    Returns:
+        ``(B, H_q, P)`` fp32 scores.
+    """
+    who = "quest_page_scores"
+    num_pages = _check_scores_inputs(q, kmin, kmax, num_pages, who)
+    if not triton_available(q):
+        raise RuntimeError(
+            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
+            f"{q.device} (HAS_TRITON={HAS_TRITON}); use quest_page_scores_ref on CPU"
+        )
+    if block_p < 16 or block_p & (block_p - 1):
+        raise ValueError(f"kvpass: {who} needs block_p to be a power of two >= 16, got {block_p}")
+    B, H_q, D = q.shape
+    H_kv, P = kmin.shape[1], kmin.shape[2]
+    G = H_q // H_kv
+    out = torch.empty((B, H_q, P), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    grid = (B * H_kv, triton.cdiv(P, block_p))
+    _quest_page_scores_kernel[grid](
+        q, kmin, kmax, out,
+        *q.stride(), *kmin.stride(), *kmax.stride(), *out.stride(),
+        H_kv, P, num_pages, D, G,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),  # tl.dot needs every dim >= 16
+        BLOCK_P=block_p,
+        BLOCK_D=max(16, min(64, triton.next_power_of_2(D))),
+    )
+    return out
+
+
+def quest_page_scores_ref(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: int | None = None
+) -> torch.Tensor:
+    """Plain-torch :func:`quest_page_scores` (fp32); the CPU decode path.
+
+    q ``(B, H_q, D)``, kmin/kmax ``(B, H_kv, P, D)`` -> ``(B, H_q, P)`` fp32, pages ``>= num_pages``
+    set to ``-inf``. Two batched matmuls over the live pages, no loop over heads.
+    """
+    num_pages = _check_scores_inputs(q, kmin, kmax, num_pages, "quest_page_scores_ref")
+    B, H_q, D = q.shape
+    H_kv, P = kmin.shape[1], kmin.shape[2]
+    G = H_q // H_kv
+    out = torch.full((B, H_q, P), float("-inf"), dtype=torch.float32, device=q.device)
+    if num_pages == 0 or out.numel() == 0:
+        return out
+    qf = q.reshape(B, H_kv, G, D).float()
+    a = kmin[:, :, :num_pages].float()
+    c = kmax[:, :, :num_pages].float()
+    hi, lo = torch.maximum(a, c), torch.minimum(a, c)
+    s = torch.matmul(qf.clamp(min=0), hi.transpose(-1, -2))  # (B, H_kv, G, num_pages)
+    s.add_(torch.matmul(qf.clamp(max=0), lo.transpose(-1, -2)))
+    out[:, :, :num_pages] = s.reshape(B, H_q, num_pages)
+    return out

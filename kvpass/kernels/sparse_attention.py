@@ -1,0 +1,410 @@
+"""Decode attention over a per-KV-head index list (GQA without duplicating K/V).
+
+One query token per head attends to a subset of cache positions chosen per KV head (the selection of
+Quest, arXiv 2406.10774, ClusterKV, arXiv 2412.03213, TailorKV, arXiv 2505.19586), or to the whole cache
+when no index list is given (the dense decode attention that serves the ``Full`` policy). The G query
+heads that share a KV head (HF ``repeat_kv`` order: query head ``h`` uses KV head ``h // G``) are
+processed together, so every selected K/V row is read once per KV head, not once per query head.
+
+Semantics, for every batch ``b`` and query head ``h`` with ``hk = h // G``::
+
+    s_j   = scale * q[b, h] . k[b, hk, idx_j] + bias[b, hk, idx_j]      over valid j
+    out   = softmax_j(s) @ v[b, hk, idx_j]
+
+An index entry is valid when ``0 <= idx_j < S``; anything else (``-1`` is the padding value) is
+ignored. A row with no valid entry, or whose valid entries all have bias ``-inf``, returns zeros
+(never NaN). Duplicate indices are *not* merged: a position listed twice counts twice in the
+softmax (callers pass distinct positions).
+
+Files in this module: ``_sparse_decode_attention_kernel`` (+ a combine kernel for split-N
+"flash-decoding"), the launcher :func:`sparse_decode_attention`, and the plain-torch reference
+:func:`sparse_decode_attention_ref`, which is also the CPU implementation used at decode time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import HAS_TRITON, tl, triton, triton_available
+
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
+
+_LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _sparse_decode_attention_kernel(
+    Q, K, V, IDX, BIAS, OUT, M_PART, L_PART,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ib, stride_ih, stride_in,
+    stride_bb, stride_bh, stride_bs,
+    stride_ob, stride_oh, stride_osplit, stride_od,
+    H_KV, S, N, D, DV, G, N_PER_SPLIT, NUM_SPLITS,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2)
+    HAS_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,  # split-N: write (acc, m, l) per split, a combine kernel finishes
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_split = tl.program_id(1)
+    # int64 offsets: b * stride_kb overflows int32 on large caches
+    b = (pid_bh // H_KV).to(tl.int64)
+    hk = (pid_bh % H_KV).to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    mask_dv = offs_dv < DV
+    heads = hk * G + offs_g  # the G query heads that read KV head hk
+
+    # The group's queries are loaded once and stay in registers for the whole loop.
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    idx_base = IDX + b * stride_ib + hk * stride_ih
+    bias_base = BIAS + b * stride_bb + hk * stride_bh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (base-2 logits)
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+
+    lo = pid_split * N_PER_SPLIT
+    hi = tl.minimum(lo + N_PER_SPLIT, N)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_range = offs_n < hi
+        if HAS_IDX:
+            pos = tl.load(idx_base + offs_n * stride_in, mask=in_range, other=-1).to(tl.int64)
+            valid = in_range & (pos >= 0) & (pos < S)
+            pos = tl.where(valid, pos, 0)  # never form an out-of-bounds address, even masked
+        else:
+            pos = offs_n.to(tl.int64)
+            valid = in_range
+
+        k = tl.load(
+            k_base + pos[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+            mask=valid[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_base + pos * stride_bs, mask=valid, other=0.0).to(tl.float32)
+            s += bias[None, :] * 1.4426950408889634
+        s = tl.where(valid[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # While a row has seen only -inf, subtract 0 instead of -inf: exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            v_base + pos[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+            mask=valid[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = mask_g[:, None] & mask_dv[None, :]
+    out_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od
+    if WRITE_PARTIAL:
+        tl.store(out_ptrs + pid_split * stride_osplit, acc, mask=out_mask)
+        # M_PART / L_PART are contiguous (B, H_q, NUM_SPLITS) scratch owned by the launcher
+        ml_offs = (b * H_KV * G + heads) * NUM_SPLITS + pid_split
+        tl.store(M_PART + ml_offs, m_i, mask=mask_g)
+        tl.store(L_PART + ml_offs, l_i, mask=mask_g)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # empty rows: acc is 0, so the output is 0
+        tl.store(out_ptrs, (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sparse_decode_attention_combine_kernel(
+    ACC_PART, M_PART, L_PART, OUT,
+    stride_ob, stride_oh, stride_od,
+    H_Q, DV, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # One program per (b, query head): merge the per-split online-softmax states.
+    pid = tl.program_id(0)
+    b = (pid // H_Q).to(tl.int64)
+    h = (pid % H_Q).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_s = offs_s < NUM_SPLITS
+    mask_dv = offs_dv < DV
+    row = pid.to(tl.int64) * NUM_SPLITS + offs_s  # scratch is contiguous (B, H_q, NUM_SPLITS[, DV])
+    m = tl.load(M_PART + row, mask=mask_s, other=float("-inf"))
+    l = tl.load(L_PART + row, mask=mask_s, other=0.0)
+    acc = tl.load(
+        ACC_PART + row[:, None] * DV + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0
+    )
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # splits that saw nothing have m = -inf -> weight 0
+    l_tot = tl.sum(w * l, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    l_safe = tl.where(l_tot > 0.0, l_tot, 1.0)
+    tl.store(
+        OUT + b * stride_ob + h * stride_oh + offs_dv * stride_od,
+        (o / l_safe).to(OUT.dtype.element_ty),
+        mask=mask_dv,
+    )
+
+
+def _check_inputs(q, k, v, idx, bias, who: str):
+    if q.dim() != 3:
+        raise ValueError(f"kvpass: {who} needs q of shape (B, H_q, D), got {tuple(q.shape)}")
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"kvpass: {who} needs k and v of shape (B, H_kv, S, D), "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, H_q, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"kvpass: {who} needs k of shape (B={B}, H_kv, S, D={D}) to match q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"kvpass: {who} needs v to share (B, H_kv, S) with k {tuple(k.shape[:3])}, got {tuple(v.shape)}"
+        )
+    H_kv = k.shape[1]
+    if H_kv == 0 or H_q % H_kv != 0:
+        raise ValueError(
+            f"kvpass: {who} needs H_q to be a multiple of H_kv (grouped-query attention), "
+            f"got H_q={H_q}, H_kv={H_kv}"
+        )
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"kvpass: {who} needs q, k, v of one dtype among float16/bfloat16/float32, "
+            f"got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"kvpass: {who} needs q, k, v on one device, got {q.device}, {k.device}, {v.device}")
+    if idx is not None:
+        if idx.dim() != 3 or tuple(idx.shape[:2]) != (B, H_kv):
+            raise ValueError(
+                f"kvpass: {who} needs idx of shape (B={B}, H_kv={H_kv}, N), got {tuple(idx.shape)}"
+            )
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kvpass: {who} needs idx of dtype int32 or int64, got {idx.dtype}")
+        if idx.device != q.device:
+            raise ValueError(f"kvpass: {who} needs idx on {q.device}, got {idx.device}")
+    if bias is not None:
+        S = k.shape[2]
+        if tuple(bias.shape) != (B, H_kv, S):
+            raise ValueError(
+                f"kvpass: {who} needs bias of shape (B={B}, H_kv={H_kv}, S={S}), got {tuple(bias.shape)}"
+            )
+        if not bias.is_floating_point():
+            raise ValueError(f"kvpass: {who} needs a floating-point bias (float32), got {bias.dtype}")
+        if bias.device != q.device:
+            raise ValueError(f"kvpass: {who} needs bias on {q.device}, got {bias.device}")
+
+
+def _default_num_splits(q: torch.Tensor, programs: int, n_blocks: int) -> int:
+    # Split N only on a GPU whose SMs would otherwise idle (decode has few (b, kv head) pairs);
+    # under the interpreter every extra program is pure cost.
+    if not q.is_cuda or n_blocks <= 1:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return max(1, min(n_blocks, triton.cdiv(2 * sms, max(programs, 1))))
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_n: int = 128,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton decode attention of one query per head over selected cache rows.
+
+    Args:
+        q: ``(B, H_q, D)``, one decode query per head; ``H_q = H_kv * G``.
+        k: ``(B, H_kv, S, D)``, any strides. v: ``(B, H_kv, S, Dv)``, any strides (usually Dv = D).
+        idx: ``(B, H_kv, N)`` int32/int64 positions into S; entries outside ``[0, S)`` (``-1``) are
+            padding. ``None`` attends to all S positions (dense decode attention).
+        bias: ``(B, H_kv, S)`` additive score bias (fp32), e.g. ``log(count)`` of merged tokens,
+            ``-inf`` for empty slots. ``None`` for no bias.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        block_n: cache rows per loop step (a power of two >= 16).
+        num_splits: programs per (b, kv head) along N ("flash-decoding"); ``None`` picks one from the
+            GPU's SM count (1 on CPU / interpreter).
+
+    Returns:
+        ``(B, H_q, Dv)`` in ``q.dtype``. Rows with no valid entry are zero. Duplicate indices count
+        twice. bf16 is accepted, but the Triton interpreter computes bf16 wrongly (test on a GPU).
+    """
+    who = "sparse_decode_attention"
+    _check_inputs(q, k, v, idx, bias, who)
+    if not triton_available(q):
+        raise RuntimeError(
+            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
+            f"{q.device} (HAS_TRITON={HAS_TRITON}); use sparse_decode_attention_ref on CPU"
+        )
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"kvpass: {who} needs block_n to be a power of two >= 16, got {block_n}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"kvpass: {who} needs num_splits >= 1 (or None), got {num_splits}")
+
+    B, H_q, D = q.shape
+    _, H_kv, S, _ = k.shape
+    Dv = v.shape[3]
+    G = H_q // H_kv
+    N = S if idx is None else idx.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    out = torch.empty((B, H_q, Dv), dtype=q.dtype, device=q.device)
+    if B == 0 or H_q == 0 or Dv == 0:
+        return out
+
+    n_blocks = max(1, triton.cdiv(N, block_n))  # N = 0 still launches: the programs write zeros
+    splits = _default_num_splits(q, B * H_kv, n_blocks) if num_splits is None else num_splits
+    splits = max(1, min(splits, n_blocks))  # never launch splits that own no rows
+    n_per_split = triton.cdiv(n_blocks, splits) * block_n
+    splits = max(1, triton.cdiv(N, n_per_split))
+
+    # Dummy pointers for absent operands: never dereferenced (HAS_IDX / HAS_BIAS are constexpr).
+    idx_t = idx if idx is not None else q
+    idx_strides = idx.stride() if idx is not None else (0, 0, 0)
+    bias_t = bias if bias is not None else q
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0)
+
+    block_d = max(16, triton.next_power_of_2(D))
+    common = dict(
+        HAS_IDX=idx is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),  # tl.dot needs every dim >= 16
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        # fp32 inputs: exact products (tf32 would drift from the reference); ignored for fp16/bf16
+        DOT_PRECISION="ieee",
+        # GPU only (the interpreter ignores it): more warps for big K/V tiles, a guess not yet measured
+        num_warps=8 if block_n * block_d >= 128 * 128 else 4,
+    )
+    scalars = (H_kv, S, N, D, Dv, G, n_per_split, splits, scale * _LOG2E)
+    if splits == 1:
+        _sparse_decode_attention_kernel[(B * H_kv, 1)](
+            q, k, v, idx_t, bias_t, out, out, out,
+            *q.stride(), *k.stride(), *v.stride(), *idx_strides, *bias_strides,
+            out.stride(0), out.stride(1), 0, out.stride(2),
+            *scalars, WRITE_PARTIAL=False, **common,
+        )
+        return out
+
+    acc_part = torch.empty((B, H_q, splits, Dv), dtype=torch.float32, device=q.device)
+    m_part = torch.empty((B, H_q, splits), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((B, H_q, splits), dtype=torch.float32, device=q.device)
+    _sparse_decode_attention_kernel[(B * H_kv, splits)](
+        q, k, v, idx_t, bias_t, acc_part, m_part, l_part,
+        *q.stride(), *k.stride(), *v.stride(), *idx_strides, *bias_strides,
+        *acc_part.stride(),
+        *scalars, WRITE_PARTIAL=True, **common,
+    )
+    _sparse_decode_attention_combine_kernel[(B * H_q,)](
+        acc_part, m_part, l_part, out,
+        *out.stride(),
+        H_q, Dv, splits,
+        BLOCK_SPLITS=triton.next_power_of_2(splits),
+        BLOCK_DV=triton.next_power_of_2(Dv),
+    )
+    return out
+
+
+def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x[b, h, pos[b, h, n], :]`` for x ``(B, H, S, D)`` and pos ``(B, H, N)`` int64 in ``[0, S)``.
+
+    When the (b, h) strides are multiples of the S stride (contiguous caches, slices of a bigger
+    buffer along S), x is viewed as one table of rows and gathered with ``index_select``: about 6x
+    faster on CPU than ``torch.gather`` with an index expanded over D. Other layouts use advanced
+    indexing.
+    """
+    B, H, S, D = x.shape
+    N = pos.shape[2]
+    sb, sh, ss, sd = x.stride()
+    if S > 0 and ss > 0 and sb % ss == 0 and sh % ss == 0 and x.numel() > 0:
+        row_b = torch.arange(B, device=x.device) * (sb // ss)
+        row_h = torch.arange(H, device=x.device) * (sh // ss)
+        rows = (row_b[:, None, None] + row_h[None, :, None] + pos).reshape(-1)
+        n_rows = (B - 1) * (sb // ss) + (H - 1) * (sh // ss) + S  # last row ends at x's last element
+        table = x.as_strided((n_rows, D), (ss, sd), x.storage_offset())
+        return table.index_select(0, rows).view(B, H, N, D)
+    bi = torch.arange(B, device=x.device)[:, None, None]
+    hi = torch.arange(H, device=x.device)[None, :, None]
+    return x[bi, hi, pos]
+
+
+def sparse_decode_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch :func:`sparse_decode_attention` (fp32 accumulation); the CPU decode path.
+
+    Shapes as in :func:`sparse_decode_attention`: q ``(B, H_q, D)``, k ``(B, H_kv, S, D)``,
+    v ``(B, H_kv, S, Dv)``, idx ``(B, H_kv, N)`` or None, bias ``(B, H_kv, S)`` or None;
+    returns ``(B, H_q, Dv)`` in ``q.dtype``. Batched gather + matmul, no Python loop over heads.
+    """
+    _check_inputs(q, k, v, idx, bias, "sparse_decode_attention_ref")
+    B, H_q, D = q.shape
+    _, H_kv, S, _ = k.shape
+    Dv = v.shape[3]
+    G = H_q // H_kv
+    N = S if idx is None else idx.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if N == 0 or B == 0 or H_q == 0:
+        return q.new_zeros((B, H_q, Dv))
+
+    qf = q.reshape(B, H_kv, G, D).float()  # query heads grouped by the KV head they read
+    if idx is None:
+        ks, vs, bs, valid = k, v, bias, None
+    else:
+        pos = idx.long()
+        valid = (pos >= 0) & (pos < S)
+        pos = torch.where(valid, pos, 0)
+        ks, vs = _gather_rows(k, pos), _gather_rows(v, pos)  # (B, H_kv, N, D)
+        bs = None if bias is None else torch.gather(bias, 2, pos)
+
+    scores = torch.matmul(qf, ks.float().transpose(-1, -2))  # (B, H_kv, G, N) fp32
+    scores.mul_(scale)
+    if bs is not None:
+        scores.add_(bs.float()[:, :, None, :])
+    if valid is not None:
+        scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m == float("-inf"), 0.0)  # all-masked rows: exp(-inf - 0) = 0, not NaN
+    p = scores.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    denom.masked_fill_(denom == 0, 1.0)  # all-masked rows have p = 0, so the output is 0
+    out = torch.matmul(p, vs.float()).div_(denom)  # (B, H_kv, G, Dv)
+    return out.reshape(B, H_q, Dv).to(q.dtype)

@@ -1,0 +1,136 @@
+"""The post-grad graph pass: rewrite every attention site into ``kvpass::attention``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from kvpass.patterns.attention import SiteMatch, Unmatched, _val, find_sites
+
+if TYPE_CHECKING:
+    from kvpass.api import KVPassBackend
+
+_PKG = Path(__file__).resolve().parent.parent
+# The code whose change must invalidate compiled graphs (FX graph cache keys include the uuid).
+_PASS_FILES = tuple(
+    str(_PKG / f)
+    for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py")
+)
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """What the pass found in one compiled graph."""
+
+    index: int
+    kind: str  # "prefill", "decode" or "other", from the query lengths
+    sites: list[dict]
+    unmatched: list[Unmatched]
+
+
+def _fake_value(target, args):
+    vals = fx.node.map_arg(args, _val)
+    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    mode = torch._guards.detect_fake_mode(flat)
+    if mode is None:
+        return None
+    with mode:
+        return target(*vals)
+
+
+def _cache_updates_without_sdpa(graph: fx.Graph) -> int:
+    """Cache updates (cat of a graph input along the sequence) in a graph with no SDPA node: the
+    signature of attention written as matmul + softmax (attn_implementation="eager")."""
+    n = 0
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.cat.default and len(node.args) > 1 and node.args[1] in (2, -2):
+            if node.args[0] and getattr(node.args[0][0], "op", None) == "placeholder":
+                n += 1
+    return n
+
+
+class KVPassGraphPass(CustomGraphPass):
+    """Installed as Inductor's ``post_grad_custom_post_pass`` by :class:`kvpass.KVPassBackend`."""
+
+    def __init__(self, backend: KVPassBackend):
+        self._backend = weakref.ref(backend)
+        self._key = backend.policy.key()
+        self._handle = backend.runtime.handle
+
+    def uuid(self) -> str:
+        # Pass code + every policy parameter + the backend's handle: two policies (or two backends,
+        # whose graphs carry different handles) never share compiled code.
+        h = hashlib.sha256(get_hash_for_files(_PASS_FILES))
+        h.update(self._key.encode())
+        h.update(str(self._handle).encode())
+        return h.hexdigest()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        backend = self._backend()
+        if backend is None:
+            return
+        sites, unmatched = find_sites(graph)
+        rows = [self._rewrite(graph, m, backend) for m in sites]
+        if sites:
+            graph.eliminate_dead_code()
+        lengths = {r["query_len"] for r in rows}
+        kind = "decode" if lengths == {1} else "prefill" if lengths and 1 not in lengths else "other"
+        if not sites and not unmatched and _cache_updates_without_sdpa(graph):
+            unmatched.append(
+                Unmatched(
+                    "-",
+                    "-",
+                    None,
+                    "-",
+                    "KV-cache updates but no scaled_dot_product_attention: the model computes attention "
+                    "as matmul + softmax; load it with attn_implementation='sdpa'",
+                )
+            )
+        backend._record_graph(kind, rows, unmatched)
+
+    def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: KVPassBackend) -> dict:
+        site = backend._site_id(m.module_path, m.layer)
+        info = backend.runtime.info(site, m.layer if m.layer is not None else site)
+        info.module_path, info.pattern = m.module_path, m.pattern
+        info.graphs += 1
+        target = torch.ops.kvpass.attention.default
+        args = (
+            m.q,
+            m.k,
+            m.v,
+            m.attn_mask,
+            m.cache_position,
+            float(m.scale) if m.scale is not None else 0.0,
+            m.is_causal,
+            self._handle,
+            site,
+        )
+        with graph.inserting_before(m.sdpa):
+            new = graph.call_function(target, args=args)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+            if key in m.sdpa.meta:
+                new.meta[key] = m.sdpa.meta[key]
+        new.meta["val"] = _fake_value(target, args)
+        m.out.replace_all_uses_with(new)
+        if m.out is not m.sdpa:
+            graph.erase_node(m.out)
+        if not m.sdpa.users:
+            graph.erase_node(m.sdpa)
+        counters["kvpass"]["sites_rewritten"] += 1
+        counters["kvpass"][m.pattern.split()[0]] += 1
+        q_len = _val(m.q).shape[2]
+        return {
+            "site": site,
+            "layer": m.layer,
+            "module": m.module_path,
+            "pattern": m.pattern,
+            "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
+        }

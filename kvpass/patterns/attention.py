@@ -1,0 +1,243 @@
+"""Attention-site matching on post-grad (aten) FX graphs, in the manner of Inductor's
+``fx_passes/fuse_attention.py``: small numbered patterns, checks on ``node.meta["val"]``.
+
+An attention site is a scaled-dot-product-attention node whose key and value come from the model's
+KV cache. Walking back from SDPA's key/value we accept, in order:
+
+1. an optional repeat_kv chain (transformers 4.x: ``unsqueeze(2) -> expand -> clone? -> view``);
+2. an optional ``slice(dim=2, start=0)`` (transformers 5.x static cache at prefill);
+3. the cache update, one of the numbered patterns:
+   - ``P1 cat``:       ``cat([past, new], dim=-2)`` with ``past`` a graph input (DynamicCache decode);
+   - ``P2 index_put``: ``index_put(buf, [None, None, pos], new)`` (StaticCache, ``index_copy_``);
+   - ``P3 prefill``:   the new keys themselves, returned as a graph output for the cache to keep
+                       (DynamicCache prefill: post-grad drops ``cat([empty, k])``).
+
+Anything else is left exact and reported with the reason (invariant 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# Every SDPA flavour Inductor leaves in a post-grad graph (CPU and CUDA), by overload packet.
+SDPA_TARGETS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "sdpa_flash_cpu",
+    aten._scaled_dot_product_flash_attention.default: "sdpa_flash",
+    aten._scaled_dot_product_efficient_attention.default: "sdpa_efficient",
+    aten._scaled_dot_product_cudnn_attention.default: "sdpa_cudnn",
+    aten._scaled_dot_product_fused_attention_overrideable.default: "sdpa_overrideable",
+    aten.scaled_dot_product_attention.default: "sdpa",
+}
+
+_REPEAT_KV_OPS = {
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+}
+
+
+@dataclasses.dataclass
+class SiteMatch:
+    sdpa: fx.Node
+    out: fx.Node  # the node whose value is the attention output (getitem 0, or sdpa itself)
+    q: fx.Node
+    k: fx.Node  # the cache tensor, before repeat_kv (B, H_kv, S, D)
+    v: fx.Node
+    attn_mask: fx.Node | None
+    cache_position: fx.Node | None
+    scale: float | None
+    is_causal: bool
+    pattern: str
+    module_path: str
+    layer: int | None
+    repeat_kv: bool
+
+
+@dataclasses.dataclass
+class Unmatched:
+    node: str
+    module_path: str
+    layer: int | None
+    shape: str
+    reason: str
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _shape(n: Any) -> tuple:
+    v = _val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "?"
+    path = list(stack.values())[-1][0]
+    # dynamo spells the root as L['self'] or L['fn']; keep the attribute path only
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path) or "?"
+
+
+def layer_of(path: str) -> int | None:
+    """The index of the decoder layer in a module path (``model.layers.3.self_attn`` -> 3)."""
+    nums = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return int(nums[-1]) if nums else None
+
+
+def _schema_args(node: fx.Node) -> dict[str, Any]:
+    """Name -> value for every schema argument of an OpOverload call (defaults filled in)."""
+    schema = node.target._schema
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            out[arg.name] = None
+    return out
+
+
+def _strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, bool]:
+    """Walk back through a repeat_kv chain; returns (base, whether a head repeat was seen)."""
+    start = node
+    while isinstance(node, fx.Node) and node.target in _REPEAT_KV_OPS:
+        node = node.args[0]
+    if node is start:
+        return node, False
+    s0, s1 = _shape(start), _shape(node)
+    repeated = len(s0) == 4 and len(s1) == 4 and s0[1] != s1[1]
+    return node, repeated
+
+
+def _is_seq_slice(node: fx.Node) -> bool:
+    if node.target is not aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * 5
+    dim, start, step = args[1], args[2] or 0, args[4] or 1
+    return dim in (2, -2) and start == 0 and step == 1
+
+
+def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.Node | None, str]:
+    """Classify the node holding the cache. Returns (pattern, cache_position node, reason)."""
+    node = base.args[0] if _is_seq_slice(base) else base
+    if node.target is aten.cat.default:
+        tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        ndim = len(_shape(node))
+        if len(tensors) == 2 and dim in (ndim - 2, -2) and tensors[0].op == "placeholder":
+            return "P1 cat", None, ""
+        return None, None, "a cat that is not a cache update (expected cat([past_cache, new], dim=-2))"
+    if node.target in (aten.index_put.default, aten.index_put_.default):
+        indices = node.args[1]
+        if (
+            len(indices) == 3
+            and indices[0] is None
+            and indices[1] is None
+            and isinstance(indices[2], fx.Node)
+            and len(_shape(indices[2])) == 1
+        ):
+            return "P2 index_put", indices[2], ""
+        return None, None, "an index_put that is not a static-cache write (expected [None, None, pos])"
+    if node in outputs:
+        return "P3 prefill", None, ""
+    return None, None, "no KV-cache update feeds this attention (use_cache=False, or an unknown cache)"
+
+
+def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
+    """Every attention site of a post-grad graph, and every SDPA node that could not be matched."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs: set[fx.Node] = set()
+    fx.node.map_arg(output.args, outputs.add)
+    sites: list[SiteMatch] = []
+    unmatched: list[Unmatched] = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in SDPA_TARGETS:
+            continue
+        path = module_path(node)
+        layer = layer_of(path)
+
+        def reject(reason: str, node=node, path=path, layer=layer) -> None:
+            unmatched.append(Unmatched(node.name, path, layer, str(_shape(node.args[0])), reason))
+
+        a = _schema_args(node)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask = a.get("attn_mask", a.get("attn_bias"))
+        if a.get("dropout_p") not in (None, 0.0, 0):
+            reject("dropout_p != 0 (training-mode attention)")
+            continue
+        qv, kv, vv = _val(q), _val(k), _val(v)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+            reject("query/key/value are not 4-D (B, H, S, D) tensors")
+            continue
+        if not (qv.dtype.is_floating_point and qv.dtype == kv.dtype == vv.dtype):
+            reject(f"unsupported dtypes q={qv.dtype} k={kv.dtype} v={vv.dtype}")
+            continue
+        # the output: the op itself (public SDPA) or getitem 0 of its tuple
+        if SDPA_TARGETS[node.target] == "sdpa":
+            out = node
+        else:
+            users = list(node.users)
+            if not all(u.target is operator.getitem for u in users) or {u.args[1] for u in users} != {0}:
+                reject("SDPA's auxiliary outputs (logsumexp) are used, e.g. for a backward pass")
+                continue
+            if len(users) != 1:
+                reject("SDPA output used through several getitems")
+                continue
+            out = users[0]
+        k_base, k_rep = _strip_repeat_kv(k)
+        v_base, v_rep = _strip_repeat_kv(v)
+        kb, vb = _val(k_base), _val(v_base)
+        if not (isinstance(kb, torch.Tensor) and kb.dim() == 4 and isinstance(vb, torch.Tensor) and vb.dim() == 4):
+            reject("the key/value before repeat_kv are not 4-D (B, H_kv, S, D)")
+            continue
+        if qv.shape[1] % kb.shape[1] != 0 or kb.shape[1] != vb.shape[1]:
+            reject(f"query heads {qv.shape[1]} are not a multiple of KV heads {kb.shape[1]}")
+            continue
+        k_pat, k_pos, k_why = _cache_update(k_base, outputs)
+        v_pat, v_pos, v_why = _cache_update(v_base, outputs)
+        if k_pat is None or v_pat is None:
+            reject(k_why or v_why)
+            continue
+        if k_pat != v_pat:
+            reject(f"key and value caches differ in kind ({k_pat} vs {v_pat})")
+            continue
+        if k_pos is not None and v_pos is not None and k_pos is not v_pos:
+            reject("key and value are written at different cache positions")
+            continue
+        scale = a.get("scale")
+        pattern = k_pat + (" +repeat_kv" if (k_rep or v_rep) else "") + (" +mask" if mask is not None else "")
+        sites.append(
+            SiteMatch(
+                sdpa=node,
+                out=out,
+                q=q,
+                k=k_base,
+                v=v_base,
+                attn_mask=mask,
+                cache_position=k_pos,
+                scale=scale,
+                is_causal=bool(a.get("is_causal") or False),
+                pattern=pattern,
+                module_path=path,
+                layer=layer,
+                repeat_kv=k_rep or v_rep,
+            )
+        )
+    return sites, unmatched

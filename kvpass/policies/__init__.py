@@ -1,0 +1,20 @@
+"""Policies: one frozen dataclass per method, validated in ``__post_init__``.
+
+A policy is configuration only. It creates one :class:`kvpass.runtime.SiteState` per attention site
+(``new_state``); all mutable state lives there, owned by the backend that compiled the model.
+"""
+
+from kvpass.policies.base import Policy, policy_from_dict, register_policy, registered_policies
+from kvpass.policies.full import Full
+from kvpass.policies.quest import Quest
+from kvpass.policies.streaming import StreamingLLM
+
+__all__ = [
+    "Policy",
+    "Full",
+    "StreamingLLM",
+    "Quest",
+    "policy_from_dict",
+    "register_policy",
+    "registered_policies",
+]

@@ -1,0 +1,25 @@
+"""Full: the identity rewrite (the exact, uncompressed cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvpass.policies.base import Policy, register_policy
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Full(Policy):
+    """Attend to every cached token exactly as the model would. The reference every policy is measured
+    against: compiled generation with ``Full`` equals eager generation token for token."""
+
+    name = "Full"
+
+    @classmethod
+    def with_budget(cls, budget: int | None = None) -> Full:
+        return cls()
+
+    def new_state(self, info):
+        from kvpass.runtime.state import SiteState
+
+        return SiteState(self, info)

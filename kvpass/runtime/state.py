@@ -1,0 +1,240 @@
+"""Per-site runtime state and the generic attention driver.
+
+Shapes: ``q (B, H_q, T, D)``; ``k, v (B, H_kv, S, D)`` as the model's cache holds them (before any
+repeat_kv); ``T`` new tokens; ``L`` the logical sequence length (``S`` can be larger for a static
+cache, and a compressing state may hold fewer physical tokens than ``L``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kvpass.runtime import registry
+
+if TYPE_CHECKING:
+    from kvpass.policies.base import Policy
+
+
+class KVPassError(RuntimeError):
+    """A request kvpass cannot serve correctly; the message names the fix."""
+
+
+@dataclasses.dataclass
+class SiteInfo:
+    """What the graph pass learned about one attention site."""
+
+    site: int
+    layer: int
+    module_path: str = "?"
+    pattern: str = "?"
+    graphs: int = 0
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """One call of ``kvpass::attention`` as the runtime sees it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None
+    scale: float
+    is_causal: bool
+    length: int  # logical length L, new tokens included
+    valid: torch.Tensor | None  # (B, L) bool, False on padding; None when nothing is masked
+
+    @property
+    def new_tokens(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def past(self) -> int:
+        return self.length - self.new_tokens
+
+    @property
+    def k_logical(self) -> torch.Tensor:
+        return self.k[:, :, : self.length]
+
+    @property
+    def v_logical(self) -> torch.Tensor:
+        return self.v[:, :, : self.length]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def exact(self) -> torch.Tensor:
+        """Exactly the attention the model asked for (same inputs, same mask)."""
+        return F.scaled_dot_product_attention(
+            self.q,
+            self.k,
+            self.v,
+            attn_mask=self.attn_mask,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.group != 1,
+        )
+
+    def padding_bias(self) -> torch.Tensor | None:
+        """(B, H_kv, L) fp32: 0 on real tokens, -inf on padding; None without padding."""
+        if self.valid is None:
+            return None
+        bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.valid.device)
+        bias.masked_fill_(~self.valid, -math.inf)
+        return bias[:, None, :].expand(-1, self.k.shape[1], -1)
+
+
+def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The keys the newest query may see, (B, L) bool, from an SDPA mask broadcastable to
+    (B, H, T, S); None when every key is visible (no padding)."""
+    if attn_mask is None:
+        return None
+    row = attn_mask[..., -1, :length]
+    while row.dim() > 2:
+        row = row[:, 0]  # masks are shared across heads
+    if row.dtype == torch.bool:
+        valid = row
+    else:
+        valid = row > torch.finfo(row.dtype).min / 2
+    if bool(valid.all()):
+        return None
+    return valid
+
+
+class SiteState:
+    """State of one attention site. The base class is the Full policy: exact attention, no metadata.
+
+    Subclasses override :meth:`observe` (fold the new tokens into metadata) and :meth:`select` (the
+    token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all)."""
+
+    def __init__(self, policy: Policy, info: SiteInfo):
+        self.policy = policy
+        self.info = info
+        self.prefill_calls = 0
+        self.decode_calls = 0
+        self.reset()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """A new sequence starts (a forward on an empty cache)."""
+        self.length = 0
+        self.physical = 0
+        self.kv_bytes = 0
+        self.attended = 0
+        self.last_idx: torch.Tensor | None = None
+
+    def forward(self, call: AttentionCall) -> torch.Tensor:
+        if call.past == 0:
+            self.reset()
+        self.length = call.length
+        self.physical = call.k.shape[2]
+        self.kv_bytes = 2 * call.k[:, :, :1].numel() * call.k.element_size() * self.physical
+        self.observe(call)
+        if call.new_tokens > 1:
+            # Prefill and chunked prefill attend exactly, as every method here does.
+            self.prefill_calls += 1
+            self.attended = call.length
+            self.last_idx = None
+            return call.exact()
+        self.decode_calls += 1
+        idx = self.select(call)
+        self.last_idx = idx
+        if idx is None:
+            self.attended = call.length
+            return call.exact()
+        self.attended = int((idx >= 0).sum(-1).float().mean().item())
+        from kvpass.lowering.dispatch import sparse_attention
+
+        out = sparse_attention(
+            call.q[:, :, 0], call.k_logical, call.v_logical, idx, call.padding_bias(), call.scale
+        )
+        return out.unsqueeze(2)
+
+    # -- policy hooks ----------------------------------------------------------------------------
+    def observe(self, call: AttentionCall) -> None:
+        """Fold the tokens at positions ``[call.past, call.length)`` into the metadata."""
+
+    def select(self, call: AttentionCall) -> torch.Tensor | None:
+        return None
+
+    def metadata_bytes(self) -> int:
+        return 0
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "site": self.info.site,
+            "layer": self.info.layer,
+            "module": self.info.module_path,
+            "pattern": self.info.pattern,
+            "policy": self.policy.name,
+            "tokens_logical": self.length,
+            "tokens_held": self.physical,
+            "tokens_attended": self.attended,
+            "device_bytes": self.kv_bytes + self.metadata_bytes(),
+            "host_bytes": 0,
+            "prefill_calls": self.prefill_calls,
+            "decode_calls": self.decode_calls,
+        }
+
+
+class Runtime:
+    """All site states of one backend. Compiled graphs reach it through ``handle``."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.sites: dict[int, SiteState] = {}
+        self.infos: dict[int, SiteInfo] = {}
+        self._lock = threading.Lock()
+        self.handle = registry.register(self)
+
+    def info(self, site: int, layer: int | None = None) -> SiteInfo:
+        if site not in self.infos:
+            self.infos[site] = SiteInfo(site=site, layer=site if layer is None else layer)
+        return self.infos[site]
+
+    def state(self, site: int) -> SiteState:
+        st = self.sites.get(site)
+        if st is None:
+            st = self.sites[site] = self.policy.new_state(self.info(site))
+        return st
+
+    def attend(
+        self,
+        site: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        cache_position: torch.Tensor | None,
+        scale: float,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        length = k.shape[2]
+        if cache_position is not None:
+            # A static cache is a preallocated buffer: the logical end is the last written slot.
+            length = min(length, int(cache_position[-1].item()) + 1)
+        if scale <= 0:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+        call = AttentionCall(
+            q=q,
+            k=k,
+            v=v,
+            attn_mask=attn_mask,
+            scale=scale,
+            is_causal=is_causal,
+            length=length,
+            valid=valid_from_mask(attn_mask, length),
+        )
+        with self._lock:
+            return self.state(site).forward(call)
+
+    def reset(self) -> None:
+        with self._lock:
+            for st in self.sites.values():
+                st.reset()

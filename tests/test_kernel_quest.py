@@ -1,0 +1,233 @@
+"""Quest (arXiv 2406.10774) page metadata and page scores: the Triton scorer (run by the interpreter on
+CPU) against its torch reference, and the references against naive per-page loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpass.kernels.quest import (
+    quest_page_minmax_ref,
+    quest_page_scores,
+    quest_page_scores_ref,
+    quest_update_minmax_,
+)
+from strategies import (
+    DTYPES,
+    LAYOUTS,
+    SEEDS,
+    TOL_SCORES,
+    PageUpdateProblem,
+    QuestProblem,
+    make_quest_inputs,
+    make_strided,
+    page_update_problems,
+    quest_problems,
+)
+
+
+def naive_scores(q, kmin, kmax, num_pages=None):
+    """The paper's formula, one (b, h, p) at a time."""
+    B, H_q, D = q.shape
+    H_kv, P = kmin.shape[1], kmin.shape[2]
+    G = H_q // H_kv
+    num_pages = P if num_pages is None else num_pages
+    out = torch.full((B, H_q, P), float("-inf"))
+    for b in range(B):
+        for h in range(H_q):
+            qh = q[b, h].float()
+            for p in range(num_pages):
+                lo, hi = kmin[b, h // G, p].float(), kmax[b, h // G, p].float()
+                out[b, h, p] = torch.maximum(qh * hi, qh * lo).sum()
+    return out
+
+
+def naive_minmax(k, page_size, length):
+    P = -(-length // page_size)
+    pages = [k[:, :, p * page_size : min((p + 1) * page_size, length)].float() for p in range(P)]
+    return torch.stack([x.amin(2) for x in pages], 2), torch.stack([x.amax(2) for x in pages], 2)
+
+
+def assert_scores_close(actual, expected):
+    atol, rtol = TOL_SCORES
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)  # -inf must match -inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Page min/max
+# --------------------------------------------------------------------------------------------------
+
+
+@given(
+    dtype=DTYPES,
+    S=st.integers(1, 120),
+    page_size=st.sampled_from([1, 2, 5, 16, 64]),
+    cut=st.integers(0, 120),
+    layout=LAYOUTS,
+    seed=SEEDS,
+)
+def test_minmax_ref_matches_per_page_loop(dtype, S, page_size, cut, layout, seed):
+    length = min(cut, S)  # includes length 0, length 1 and partial last pages
+    gen = torch.Generator().manual_seed(seed)
+    k = make_strided(torch.randn((2, 3, S, 8), generator=gen).to(dtype), layout)
+    kmin, kmax = quest_page_minmax_ref(k, page_size, length)
+    P = -(-length // page_size)
+    assert kmin.shape == kmax.shape == (2, 3, P, 8)
+    assert kmin.dtype == kmax.dtype == torch.float32
+    if P:
+        emin, emax = naive_minmax(k, page_size, length)
+        assert torch.equal(kmin, emin) and torch.equal(kmax, emax)
+
+
+def test_minmax_partial_last_page_ignores_tokens_past_length():
+    k = torch.zeros((1, 1, 10, 2))
+    k[0, 0, :, 0] = torch.arange(10.0)
+    k[0, 0, 7:, 1] = 100.0  # beyond length: must not leak into page 1
+    kmin, kmax = quest_page_minmax_ref(k, page_size=4, length=7)
+    assert kmin[0, 0].tolist() == [[0.0, 0.0], [4.0, 0.0]]
+    assert kmax[0, 0].tolist() == [[3.0, 0.0], [6.0, 0.0]]
+
+
+def _run_updates(p: PageUpdateProblem):
+    gen = torch.Generator().manual_seed(p.seed)
+    total = p.prefix + sum(p.chunks)
+    keys = torch.randn((p.B, p.H_kv, total, p.D), generator=gen).to(p.key_dtype)
+    P_cap = -(-total // p.page_size) + p.spare_pages
+    # stale garbage everywhere: pages opened by an update must not read it
+    kmin = (torch.randn((p.B, p.H_kv, P_cap, p.D), generator=gen) - 50).to(p.dtype)
+    kmax = (torch.randn((p.B, p.H_kv, P_cap, p.D), generator=gen) + 50).to(p.dtype)
+    if p.prefix:
+        mn, mx = quest_page_minmax_ref(keys, p.page_size, p.prefix)
+        kmin[:, :, : mn.shape[2]] = mn
+        kmax[:, :, : mx.shape[2]] = mx
+    pos = p.prefix
+    for t in p.chunks:
+        quest_update_minmax_(kmin, kmax, keys[:, :, pos : pos + t], pos, p.page_size)
+        pos += t
+        n = -(-pos // p.page_size)
+        if n:
+            emin, emax = quest_page_minmax_ref(keys, p.page_size, pos)
+            # rounding to the buffer dtype is monotone, so min/max commute with it: exact equality
+            assert torch.equal(kmin[:, :, :n], emin.to(p.dtype)), (pos, t)
+            assert torch.equal(kmax[:, :, :n], emax.to(p.dtype)), (pos, t)
+
+
+@given(p=page_update_problems())
+def test_update_minmax_matches_recomputation(p: PageUpdateProblem):
+    _run_updates(p)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_update_minmax_token_by_token_decode(page_size):
+    _run_updates(
+        PageUpdateProblem(
+            dtype=torch.float32, key_dtype=torch.float16, B=1, H_kv=2, D=8, page_size=page_size,
+            prefix=5, chunks=(1,) * 40, spare_pages=0, seed=3,
+        )
+    )
+
+
+def test_update_minmax_errors():
+    kmin = torch.zeros((1, 2, 3, 4))
+    kmax = torch.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"kvpass: quest_update_minmax_ needs capacity for 4 pages"):
+        quest_update_minmax_(kmin, kmax, torch.zeros((1, 2, 5, 4)), 10, 4)  # positions up to 15 -> 4 pages
+    with pytest.raises(ValueError, match="kvpass: quest_update_minmax_ needs k_new of shape"):
+        quest_update_minmax_(kmin, kmax, torch.zeros((1, 3, 1, 4)), 0, 4)
+    with pytest.raises(ValueError, match="kvpass: quest_update_minmax_ needs kmin and kmax of one shape"):
+        quest_update_minmax_(kmin, kmax[:, :1], torch.zeros((1, 2, 1, 4)), 0, 4)
+    with pytest.raises(ValueError, match="kvpass: quest_page_minmax_ref needs 0 <= length <= S"):
+        quest_page_minmax_ref(torch.zeros((1, 1, 5, 4)), 2, length=6)
+    with pytest.raises(ValueError, match="kvpass: quest_page_minmax_ref needs page_size >= 1"):
+        quest_page_minmax_ref(torch.zeros((1, 1, 5, 4)), 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Page scores
+# --------------------------------------------------------------------------------------------------
+
+
+@given(p=quest_problems(max_pages=12))
+def test_scores_ref_matches_naive_formula(p: QuestProblem):
+    q, kmin, kmax = make_quest_inputs(p)
+    out = quest_page_scores_ref(q, kmin, kmax, p.num_pages)
+    assert out.shape == (p.B, p.H_q, p.P)
+    assert_scores_close(out, naive_scores(q, kmin, kmax, p.num_pages))
+
+
+@given(p=quest_problems(), block_p=st.sampled_from([16, 128]))
+def test_kernel_matches_ref(p: QuestProblem, block_p: int):
+    q, kmin, kmax = make_quest_inputs(p)
+    out = quest_page_scores(q, kmin, kmax, p.num_pages, block_p=block_p)
+    assert out.shape == (p.B, p.H_q, p.P)
+    assert not out.isnan().any()  # garbage (NaN/inf) in dead pages is never read
+    assert_scores_close(out, quest_page_scores_ref(q, kmin, kmax, p.num_pages))
+
+
+@given(
+    S=st.integers(1, 200),
+    page_size=st.sampled_from([1, 8, 16]),
+    G=st.sampled_from([1, 4]),
+    seed=SEEDS,
+)
+def test_kernel_on_real_metadata_bounds_every_key(S, page_size, G, seed):
+    """End to end: the score of a page bounds q . k of every key in it (Quest's upper bound)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn((1, 2, S, 16), generator=gen)
+    q = torch.randn((1, 2 * G, 16), generator=gen)
+    kmin, kmax = quest_page_minmax_ref(k, page_size)
+    scores = quest_page_scores(q, kmin, kmax)
+    dots = torch.einsum("bhd,bhsd->bhs", q, k.repeat_interleave(G, dim=1))
+    page_of = torch.arange(S) // page_size
+    assert (dots <= scores[:, :, page_of] + 1e-4).all()
+    if page_size == 1:  # a one-token page scores exactly q . k
+        torch.testing.assert_close(scores, dots, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [80, 256])
+def test_kernel_head_dims_beyond_one_chunk(D):
+    p = QuestProblem(
+        q_dtype=torch.float16, meta_dtype=torch.float32, B=2, H_kv=2, G=3, P=37, num_pages=30, D=D,
+        layout="s_slice", ordered=False, seed=1,
+    )
+    q, kmin, kmax = make_quest_inputs(p)
+    out = quest_page_scores(q, kmin, kmax, 30)
+    assert_scores_close(out, quest_page_scores_ref(q, kmin, kmax, 30))
+    assert_scores_close(out, naive_scores(q, kmin, kmax, 30))
+
+
+def test_zero_live_pages():
+    q = torch.randn((1, 4, 16))
+    kmin = torch.full((1, 2, 5, 16), float("nan"))
+    for fn in (quest_page_scores, quest_page_scores_ref):
+        out = fn(q, kmin, kmin, num_pages=0)
+        assert out.shape == (1, 4, 5) and (out == float("-inf")).all()
+
+
+@pytest.mark.parametrize("fn", [quest_page_scores, quest_page_scores_ref])
+def test_scores_input_errors(fn):
+    q = torch.randn((1, 6, 16))
+    kmin = torch.randn((1, 4, 5, 16))
+    with pytest.raises(ValueError, match="kvpass: .*H_q to be a multiple of H_kv"):
+        fn(q, kmin, kmin)
+    kmin = kmin[:, :3]
+    with pytest.raises(ValueError, match=r"kvpass: .*0 <= num_pages <= P=5"):
+        fn(q, kmin, kmin, num_pages=6)
+    with pytest.raises(ValueError, match="kvpass: .*kmin and kmax of one shape"):
+        fn(q, kmin, kmin[:, :, :4])
+    with pytest.raises(ValueError, match=r"kvpass: .*D=16\) to match q"):
+        fn(q, kmin[..., :8], kmin[..., :8])
+
+
+def test_launcher_errors(monkeypatch):
+    q = torch.randn((1, 2, 16))
+    kmin = torch.randn((1, 1, 5, 16))
+    with pytest.raises(ValueError, match="kvpass: quest_page_scores needs block_p to be a power of two"):
+        quest_page_scores(q, kmin, kmin, block_p=24)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="kvpass: .*use quest_page_scores_ref on CPU"):
+        quest_page_scores(q, kmin, kmin)
+

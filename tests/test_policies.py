@@ -1,0 +1,190 @@
+"""Policies: validation, budget >= context equals Full, selections equal a plain-torch oracle."""
+
+import math
+
+import pytest
+import torch
+
+from kvpass import Full, KVPassError, Quest, StreamingLLM, kvpass, policy_from_dict
+from kvpass.runtime import Runtime
+from tiny import generate, prompt, tiny_llama
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Quest(budget=16, page_size=16), "budget >= 2 \\* page_size"),
+        (lambda: Quest(budget=1024, page_size=0), "page_size >= 1"),
+        (lambda: Quest(budget="1024"), "integer budget"),
+        (lambda: Quest(budget=1024.0), "integer budget"),
+        (lambda: Quest(gqa="mean"), "gqa in"),
+        (lambda: StreamingLLM(sinks=-1), "sinks >= 0"),
+        (lambda: StreamingLLM(window=0), "window >= 1"),
+        (lambda: StreamingLLM.with_budget(4, sinks=4), "budget > sinks \\(4\\), got budget=4"),
+        (lambda: policy_from_dict({"name": "Nope"}), "unknown policy 'Nope'"),
+    ],
+)
+def test_bad_policy_values_name_the_fix(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_backend_arguments():
+    with pytest.raises(TypeError, match="needs a policy such as"):
+        kvpass("Quest")
+    with pytest.raises(TypeError, match="unknown option"):
+        kvpass(Full(), budget=3)
+
+
+def test_policies_are_frozen_and_keyed_by_every_parameter():
+    p = Quest(budget=512)
+    with pytest.raises(Exception):
+        p.budget = 3
+    keys = {Quest(budget=512).key(), Quest(budget=256).key(), Quest(budget=512, page_size=32).key(),
+            Quest(budget=512, gqa="max").key(), StreamingLLM().key(), Full().key()}
+    assert len(keys) == 6
+    assert policy_from_dict({"name": "Quest", "budget": 512}) == Quest(budget=512)
+
+
+# -- selections against an oracle --------------------------------------------------------------------
+def _oracle_streaming(length, sinks, window):
+    return set(range(min(sinks, length))) | set(range(max(0, length - window), length))
+
+
+def _oracle_quest(q, k, budget, page_size, gqa):
+    """Plain loops: per KV head, page upper bounds of the group's queries, top pages + the newest."""
+    b_, hq, d = q.shape
+    _, hkv, length, _ = k.shape
+    g = hq // hkv
+    pages = math.ceil(length / page_size)
+    out = {}
+    for b in range(b_):
+        for h in range(hkv):
+            scores = []
+            for p in range(pages - 1):
+                kp = k[b, h, p * page_size : (p + 1) * page_size].double()
+                kmax, kmin = kp.max(0).values, kp.min(0).values
+                per_q = [float(torch.maximum(q[b, h * g + j].double() * kmax, q[b, h * g + j].double() * kmin).sum())
+                         for j in range(g)]
+                scores.append(sum(per_q) if gqa == "sum" else max(per_q))
+            n = min(budget // page_size - 1, pages - 1)
+            top = sorted(range(pages - 1), key=lambda p: -scores[p])[:n] + [pages - 1]
+            out[b, h] = {t for p in top for t in range(p * page_size, min((p + 1) * page_size, length))}
+    return out
+
+
+def _attend_oracle(q, k, v, sel, scale):
+    """Softmax attention of each query head over its KV head's selected positions."""
+    b_, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.empty(b_, hq, d, dtype=torch.float64)
+    for b in range(b_):
+        for h in range(hq):
+            idx = sorted(sel[b, h // g])
+            s = (k[b, h // g, idx].double() @ q[b, h].double()) * scale
+            out[b, h] = torch.softmax(s, 0) @ v[b, h // g, idx].double()
+    return out
+
+
+def _prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed=0):
+    torch.manual_seed(seed)
+    rt = Runtime(policy)
+    k = torch.randn(b, hkv, length, d)
+    v = torch.randn(b, hkv, length, d)
+    q = torch.randn(b, hkv * g, length, d)
+    rt.attend(0, q, k, v, None, None, 0.0, True)
+    outs = []
+    for _ in range(steps):
+        k = torch.cat([k, torch.randn(b, hkv, 1, d)], 2)
+        v = torch.cat([v, torch.randn(b, hkv, 1, d)], 2)
+        q1 = torch.randn(b, hkv * g, 1, d)
+        out = rt.attend(0, q1, k, v, None, None, 0.0, False)
+        outs.append((q1[:, :, 0], k, v, out[:, :, 0], rt.state(0).last_idx))
+    return outs
+
+
+def _as_sets(idx):
+    return {(b, h): {int(t) for t in idx[b, h] if t >= 0} for b in range(idx.shape[0]) for h in range(idx.shape[1])}
+
+
+@pytest.mark.parametrize("sinks, window", [(4, 20), (0, 33), (16, 64)])
+def test_streaming_selects_sinks_and_window(sinks, window):
+    for q, k, v, out, idx in _prefill_then_decode(StreamingLLM(sinks=sinks, window=window)):
+        length = k.shape[2]
+        sel = _as_sets(idx)
+        want = _oracle_streaming(length, sinks, window)
+        assert all(s == want for s in sel.values())
+        assert all(len(s) == min(sinks + window, length) for s in sel.values())
+        ref = _attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget, page_size, gqa", [(32, 8, "sum"), (64, 16, "max"), (48, 16, "sum")])
+def test_quest_selects_top_pages_and_newest_page(budget, page_size, gqa):
+    for q, k, v, out, idx in _prefill_then_decode(Quest(budget=budget, page_size=page_size, gqa=gqa)):
+        sel = _as_sets(idx)
+        assert sel == _oracle_quest(q, k, budget, page_size, gqa)
+        assert all(len(s) <= budget and (k.shape[2] - 1) in s for s in sel.values())
+        ref = _attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [Quest(budget=256, page_size=16), StreamingLLM(sinks=4, window=252)])
+def test_budget_covering_context_is_exact(policy):
+    for q, k, v, out, idx in _prefill_then_decode(policy, length=100):
+        assert idx is None  # exact attention, the same call Full makes
+
+
+# -- end to end on a tiny model ----------------------------------------------------------------------
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_full_and_covering_budgets_equal_eager(cache):
+    model = tiny_llama(layers=2, heads=6, kv_heads=2)
+    ids = prompt(40)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    ref = generate(model, ids, new_tokens=6, **kw)
+    for policy in (Full(), Quest(budget=64, page_size=8), StreamingLLM(sinks=4, window=60)):
+        torch._dynamo.reset()
+        be = kvpass(policy, strict=True)
+        out = generate(model, ids, new_tokens=6, backend=be, **kw)
+        assert be.graphs, "nothing was compiled"
+        assert torch.equal(out, ref), policy
+
+
+def test_small_budget_attends_budget_tokens():
+    model = tiny_llama(layers=2, heads=4, kv_heads=2)
+    ids = prompt(120)
+    be = kvpass(Quest(budget=32, page_size=8), strict=True)
+    generate(model, ids, new_tokens=3, backend=be)
+    for row in be.report_rows():
+        assert row["tokens_logical"] == 122 and row["decode_calls"] == 2
+        # three recalled pages of 8 plus the newest, partial page (positions 120, 121)
+        assert row["tokens_attended"] == 3 * 8 + 2
+        # Quest's metadata is counted on top of the cache it leaves with the model
+        assert row["device_bytes"] > 2 * 122 * 2 * 16 * 4
+
+
+def test_left_padded_batch_streaming_rows_equal_running_alone():
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
+    rows = [prompt(30, seed=3)[0], prompt(22, seed=4)[0]]
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 30 - len(r):] = r
+        mask[i, 30 - len(r):] = 1
+    policy = StreamingLLM(sinks=2, window=10)
+    out = generate(model, ids, new_tokens=5, backend=kvpass(policy, strict=True), attention_mask=mask)
+    for i, r in enumerate(rows):
+        torch._dynamo.reset()
+        alone = generate(model, r[None], new_tokens=5, backend=kvpass(policy, strict=True))
+        assert torch.equal(out[i, -5:], alone[0, -5:]), i
+
+
+def test_left_padded_batch_quest_refuses_clearly():
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
+    ids = torch.cat([torch.zeros(1, 8, dtype=torch.long), prompt(40)], 1).repeat(2, 1)
+    ids[1, :8] = prompt(8, seed=9)
+    mask = torch.ones_like(ids)
+    mask[0, :8] = 0
+    with pytest.raises(KVPassError, match="left-padded"):
+        generate(model, ids, new_tokens=2, backend=kvpass(Quest(budget=32, page_size=8)), attention_mask=mask)
