@@ -1,4 +1,6 @@
 import os
+import time
+from types import SimpleNamespace
 
 # The Triton kernels run under the interpreter on this CPU-only machine; set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,3 +28,21 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once per test run into a fresh temporary cache.
+
+    Returns a namespace with ``cache_dir`` (the cache root to pass as ``load_smollm2(cache_dir=...)``;
+    reloading from it takes well under a second), ``model`` and ``tokenizer`` (fp32, sdpa, eval; shared
+    by every test of the session, so a test that changes the model must load its own copy from
+    ``cache_dir``) and ``first_load_s`` (seconds taken by the converting load).
+    """
+    from kvpass.models import load_smollm2
+
+    cache_dir = tmp_path_factory.mktemp("kvpass_cache")
+    start = time.perf_counter()
+    model, tokenizer = load_smollm2(cache_dir=cache_dir, progress=False)
+    first_load_s = time.perf_counter() - start
+    return SimpleNamespace(cache_dir=cache_dir, model=model, tokenizer=tokenizer, first_load_s=first_load_s)

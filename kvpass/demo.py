@@ -1,0 +1,296 @@
+"""kvpass demo: find a fact hidden in a long prompt, with the full cache and with a compressed one.
+
+Loads the bundled SmolLM2-135M-Instruct, hides "The secret passcode is 7391." at 40% depth of about
+4,096 tokens of real English prose (CPython's ``pydoc_data.topics``, the Python reference manual), asks
+for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` twice:
+with ``Full`` and with the compressed policy (default ``Quest(budget=1024, page_size=16)``).
+
+For each policy it prints the answer, whether it holds the fact, prefill seconds, decode milliseconds
+per token, and the cache the sites hold and attend; then the decode speed ratio.
+
+How the timing works: compiling happens in a warm-up ``generate`` on the same prompt that emits 3
+tokens (dynamo compiles the prefill graph, the first decode graph and, at the second decode step, a
+graph with a symbolic length that serves every later step). The timed ``generate`` then compiles
+nothing. A streamer stamps ``time.perf_counter()`` as each token comes out: prefill is the time to
+the first token, decode ms/token is ``(t_last - t_first) / (n - 1)``. Generation does not stop at
+``<|im_end|>`` so that both policies decode the same number of tokens; the answer is cut there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FACT = "The secret passcode is 7391."
+ANSWER = "7391"
+QUESTION = "What is the secret passcode? Answer with the number only."
+DEPTH = 0.4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpass.cli import DEFAULT_POLICY, add_policy_arguments
+
+    add_policy_arguments(p, DEFAULT_POLICY)
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="prompt length in tokens (default 4096; --quick: 1024)")
+    p.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                   help="tokens to generate per policy (default 24; --quick: 8)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
+    p.add_argument("--quick", action="store_true", help="a short run for tests: context 1024, 8 new tokens")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prompt
+# ---------------------------------------------------------------------------------------------------
+
+
+def _prose() -> str:
+    """About 465k characters of the Python reference manual, shipped with CPython (offline, real)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k].strip() for k in sorted(topics))
+
+
+def build_prompt(tokenizer, context: int, depth: float = DEPTH) -> tuple[str, int, int]:
+    """A chat prompt of at most ``context`` tokens (a few less at worst) with :data:`FACT` as its own
+    paragraph at about ``depth`` of the prose.
+
+    Returns ``(text, n_tokens, fact_token_position)``. The fact goes in at the paragraph break (or,
+    failing that, the sentence end) just before the requested depth, so no sentence is cut in half.
+    """
+    from kvpass.models import chat_prompt
+
+    def n_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def assemble(before: str, after: str) -> str:
+        return chat_prompt(tokenizer, f"{before}\n\n{FACT}\n\n{after}\n\n{QUESTION}")
+
+    overhead = n_tokens(assemble("", ""))
+    prose = _prose()
+    need = context - overhead
+    if need < 64:
+        raise ValueError(f"kvpass: demo needs --context >= {overhead + 64} tokens, got {context}")
+    enc = tokenizer(prose[: need * 8], add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if len(offsets) < need:
+        raise ValueError(
+            f"kvpass: demo's filler prose holds about {len(offsets)} tokens; use --context <= "
+            f"{len(offsets) + overhead}"
+        )
+    cut = offsets[int(need * depth)][0]
+    for sep in ("\n\n", ". "):
+        at = prose.rfind(sep, 0, cut)
+        if at > 0 and cut - at < 2000:
+            cut = at + len(sep)
+            break
+    # Joining changes the token count by a few; shrink the tail until the prompt fits.
+    for _ in range(8):
+        end = offsets[need - 1][1]
+        text = assemble(prose[:cut].strip(), prose[cut:end].strip())
+        total = n_tokens(text)
+        if total <= context:
+            break
+        need -= total - context
+    fact_at = n_tokens(text[: text.index(FACT)])
+    return text, total, fact_at
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Stamps:
+    """A ``BaseStreamer``: ``generate`` calls ``put`` with the prompt first, then with every new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@dataclass
+class Result:
+    policy: str
+    answer: str
+    tokens: int
+    prefill_s: float
+    decode_ms: float
+    compile_s: float
+    sites: int = 0
+    held: int = 0
+    attended: int = 0
+    logical: int = 0
+    device_bytes: int = 0
+    left_exact: list = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return ANSWER in self.answer
+
+
+def _generation_config(model, new_tokens: int):
+    import copy
+
+    gen = copy.deepcopy(model.generation_config)
+    gen.max_new_tokens = new_tokens
+    gen.min_new_tokens = None
+    gen.do_sample = False
+    gen.temperature = gen.top_p = gen.top_k = None
+    # Decode the same number of tokens with every policy: do not stop at <|im_end|> (the answer is cut
+    # there afterwards).
+    gen.eos_token_id = None
+    return gen
+
+
+def _answer(tokenizer, new_ids: list[int]) -> str:
+    end = tokenizer.get_vocab().get("<|im_end|>", tokenizer.eos_token_id)
+    if end in new_ids:
+        new_ids = new_ids[: new_ids.index(end)]
+    return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+
+def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, step) -> Result:
+    """Warm up (compile), then time one greedy generate through ``kvpass(policy)``."""
+    import warnings
+
+    from kvpass import kvpass
+
+    torch._dynamo.reset()
+    backend = kvpass(policy)
+    name = policy.describe()
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=backend)
+    try:
+        with step(f"{name}: compiling (warm-up generate of 3 tokens on the same prompt)"):
+            t0 = time.perf_counter()
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")
+                model.generate(ids, generation_config=_generation_config(model, 3))
+            compile_s = time.perf_counter() - t0
+        with step(f"{name}: prefill {ids.shape[1]} tokens + decode {new_tokens}"):
+            stamps = _Stamps()
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out = model.generate(ids, generation_config=_generation_config(model, new_tokens),
+                                     streamer=stamps)
+    finally:
+        model.forward = fwd
+    t = stamps.times
+    new_ids = out[0, ids.shape[1]:].tolist()
+    res = Result(
+        policy=name,
+        answer=_answer(tokenizer, new_ids),
+        tokens=len(new_ids),
+        prefill_s=t[0] - start,
+        decode_ms=1000 * (t[-1] - t[0]) / max(1, len(t) - 1),
+        compile_s=compile_s,
+    )
+    rows = backend.report_rows()
+    sites = [r for r in rows if "reason" not in r]
+    res.left_exact = [r for r in rows if "reason" in r]
+    if sites:
+        res.sites = len(sites)
+        res.held = round(sum(r["tokens_held"] for r in sites) / len(sites))
+        res.attended = round(sum(r["tokens_attended"] for r in sites) / len(sites))
+        res.logical = max(r["tokens_logical"] for r in sites)
+        res.device_bytes = sum(r["device_bytes"] for r in sites)
+    torch._dynamo.reset()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class _Steps:
+    """``[i/n] message ... 12.3 s`` progress lines, flushed as they start and end."""
+
+    def __init__(self, total: int, out=None):
+        self.total, self.i, self.out = total, 0, out or sys.stdout
+
+    @contextlib.contextmanager
+    def __call__(self, msg: str):
+        self.i += 1
+        print(f"[{self.i}/{self.total}] {msg} ...", file=self.out, flush=True)
+        t0 = time.perf_counter()
+        yield
+        print(f"      done in {time.perf_counter() - t0:.1f} s", file=self.out, flush=True)
+
+
+def _print_result(r: Result) -> None:
+    print(f"  answer:   {r.answer!r}")
+    print(f"  fact {ANSWER!r} found: {'yes' if r.found else 'NO'}")
+    print(f"  prefill:  {r.prefill_s:.2f} s    decode: {r.decode_ms:.1f} ms/token "
+          f"({r.tokens} tokens; compile + warm-up took {r.compile_s:.0f} s)")
+    if r.sites:
+        print(f"  cache:    {r.sites} sites; per site {r.held} tokens held, {r.attended} of "
+              f"{r.logical} attended at the last step; {_mib(r.device_bytes)} held in all")
+    for row in r.left_exact:
+        print(f"  left exact: {row['module']}: {row['reason']}")
+    print(flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpass import Full
+    from kvpass.cli import policy_from_args
+    from kvpass.models import load_smollm2
+
+    context = args.context if args.context is not None else (1024 if args.quick else 4096)
+    new_tokens = args.new_tokens if args.new_tokens is not None else (8 if args.quick else 24)
+    if new_tokens < 2:
+        raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    policy = policy_from_args(args)  # before the slow load: a bad --policy fails at once
+    policies = [Full(), policy]
+
+    print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {torch.get_num_threads()} threads, "
+          f"Full vs {policy.describe()}", flush=True)
+    step = _Steps(2 + 2 * len(policies))
+    with step("loading SmolLM2-135M-Instruct"):
+        model, tokenizer = load_smollm2()
+    with step(f"building a {context}-token prompt"):
+        text, n, fact_at = build_prompt(tokenizer, context)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    print(f"  {n} tokens of Python reference prose; {FACT!r} at token {fact_at} "
+          f"({100 * fact_at / n:.0f}% depth); question: {QUESTION!r}\n", flush=True)
+
+    results = []
+    for p in policies:
+        r = run_policy(model, tokenizer, ids, p, new_tokens, step)
+        print(f"{r.policy}:")
+        _print_result(r)
+        results.append(r)
+
+    full, comp = results
+    ratio = full.decode_ms / comp.decode_ms if comp.decode_ms > 0 else float("nan")
+    print(f"decode speed: Full {full.decode_ms:.1f} ms/token, {comp.policy} {comp.decode_ms:.1f} ms/token: "
+          f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} at {n} tokens of context")
+    print(f"answers: Full {'found' if full.found else 'missed'} the fact, {comp.policy} "
+          f"{'found' if comp.found else 'missed'} it", flush=True)
+    return 0

@@ -1,0 +1,105 @@
+"""The backend: entry point, cache keys, isolation between backends and sequences."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from kvpass import Full, KVPassError, Quest, StreamingLLM, kvpass
+from kvpass.lowering.graph_pass import KVPassGraphPass
+from tiny import generate, prompt, tiny_llama
+
+
+def test_entry_point_backend_by_name():
+    model = tiny_llama()
+    ids = prompt(20)
+    ref = generate(model, ids, new_tokens=4)
+    options = {"policy": Quest(budget=32, page_size=8)}
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend="kvpass", options=options)
+    try:
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    finally:
+        model.forward = fwd
+    assert torch.equal(out, ref)  # budget >= context
+    be = options["backend"]
+    assert be.policy == Quest(budget=32, page_size=8)
+    assert [r["prefill_calls"] for r in be.report_rows()] == [1, 1]
+
+
+def test_entry_point_accepts_a_policy_dict_and_needs_a_policy():
+    from kvpass.api import kvpass_backend
+
+    opts = {"policy": {"name": "StreamingLLM", "window": 8}}
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    kvpass_backend(gm, [torch.randn(1, 2)], options=opts)
+    assert opts["backend"].policy == StreamingLLM(window=8)
+    with pytest.raises(KVPassError, match="needs options=\\{'policy'"):
+        kvpass_backend(gm, [torch.randn(1, 2)], options={})
+
+
+def test_uuid_covers_pass_policy_and_backend():
+    a, b, c = kvpass(Quest(budget=64)), kvpass(Quest(budget=128)), kvpass(Quest(budget=64))
+    ua, ub, uc = (KVPassGraphPass(x).uuid() for x in (a, b, c))
+    assert len({ua, ub, uc}) == 3  # other policy; same policy in another backend (other state)
+    assert KVPassGraphPass(a).uuid() == ua  # stable
+
+
+def test_second_generate_does_not_leak_state():
+    model = tiny_llama()
+    p1, p2 = prompt(60, seed=1), prompt(45, seed=2)
+    policy = StreamingLLM(sinks=2, window=12)
+    be = kvpass(policy, strict=True)
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        model.generate(p1, max_new_tokens=5, do_sample=False)
+        second = model.generate(p2, max_new_tokens=5, do_sample=False)
+    finally:
+        model.forward = fwd
+    torch._dynamo.reset()
+    fresh = generate(model, p2, new_tokens=5, backend=kvpass(policy, strict=True))
+    assert torch.equal(second, fresh)
+    assert all(r["prefill_calls"] == 2 for r in be.report_rows())
+
+
+def test_two_models_two_backends_do_not_interfere():
+    m1, m2 = tiny_llama(seed=1), tiny_llama(seed=2, layers=3)
+    ids = prompt(50)
+    ref1 = generate(m1, ids, new_tokens=4, backend=kvpass(Quest(budget=16, page_size=4)))
+    torch._dynamo.reset()
+    ref2 = generate(m2, ids, new_tokens=4, backend=kvpass(StreamingLLM(sinks=2, window=6)))
+    torch._dynamo.reset()
+    b1, b2 = kvpass(Quest(budget=16, page_size=4)), kvpass(StreamingLLM(sinks=2, window=6))
+    f1, f2 = m1.forward, m2.forward
+    m1.forward, m2.forward = torch.compile(f1, backend=b1), torch.compile(f2, backend=b2)
+    try:
+        # interleave the two sequences step by step
+        out1 = m1.generate(ids, max_new_tokens=2, do_sample=False)
+        out2 = m2.generate(ids, max_new_tokens=4, do_sample=False)
+        out1 = m1.generate(ids, max_new_tokens=4, do_sample=False)
+    finally:
+        m1.forward, m2.forward = f1, f2
+    assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
+    assert len(b1.runtime.sites) == 2 and len(b2.runtime.sites) == 3
+
+
+def test_backend_and_state_are_garbage_collected():
+    model = tiny_llama()
+    be = kvpass(Quest(budget=16, page_size=4))
+    generate(model, prompt(40), new_tokens=3, backend=be)
+    ref = weakref.ref(be.runtime)
+    del be
+    torch._dynamo.reset()  # dynamo holds the backend for recompiles until reset
+    gc.collect()
+    assert ref() is None
+
+
+def test_report_lists_every_site():
+    model = tiny_llama(layers=2)
+    be = kvpass(Full())
+    generate(model, prompt(10), new_tokens=3, backend=be)
+    text = be.report()
+    assert "Full()" in text and "P1 cat" in text
+    assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
