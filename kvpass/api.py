@@ -20,7 +20,7 @@ class KVPassBackend:
     One backend serves one model's sequences at a time; its per-site state lives here and is freed
     with it. ``report()`` shows one row per attention site."""
 
-    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = False):
+    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = False, own_cache: bool = True):
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"kvpass: kvpass() needs a policy such as kvpass.Quest(budget=1024), got "
@@ -34,6 +34,7 @@ class KVPassBackend:
         self.policy = policy
         self.strict = strict
         self.cache = bool(cache)
+        self.own_cache = bool(own_cache)
         self.runtime = Runtime(policy)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
@@ -131,10 +132,13 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     - ``cache`` (bool, default False): let Inductor's FX graph cache serve compiled graphs across
       processes (keyed on the pass code, the policy and the backend handle). Faster warm starts, but
       a cache hit skips the pass, so ``report()`` then lacks that graph's pattern and reasons.
+    - ``own_cache`` (bool, default True): for caches that grow by concatenation (DynamicCache), the
+      runtime keeps the keys and values in its own buffers, appended in place, and the model's cache
+      holds a zero-stride stub of the right length. False leaves the model's cache as it is.
     """
-    unknown = set(options) - {"strict", "cache"}
+    unknown = set(options) - {"strict", "cache", "own_cache"}
     if unknown:
-        raise TypeError(f"kvpass: unknown option(s) {sorted(unknown)}; expected: strict, cache")
+        raise TypeError(f"kvpass: unknown option(s) {sorted(unknown)}; expected: strict, cache, own_cache")
     return KVPassBackend(policy, **options)
 
 

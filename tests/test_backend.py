@@ -103,3 +103,60 @@ def test_report_lists_every_site():
     text = be.report()
     assert "Full()" in text and "P1 cat" in text
     assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
+
+
+def test_owned_cache_leaves_a_stub_in_the_model_cache():
+    model = tiny_llama(layers=2)
+    ids = prompt(30)
+    be = kvpass(Full(), strict=True)
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        res = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    finally:
+        model.forward = fwd
+    cache = res.past_key_values
+    assert cache.get_seq_length() == 34  # logical positions never shrink
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == 34 and layer.keys.stride(2) == 0
+        assert layer.keys.untyped_storage().nbytes() < 34 * layer.keys[:, :, 0].numel() * 4
+    for st in be.runtime.sites.values():
+        assert st.store.length == 34
+    assert all("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
+
+
+def test_own_cache_off_keeps_the_model_cache():
+    model = tiny_llama(layers=2)
+    ids = prompt(30)
+    ref = generate(model, ids, new_tokens=4)
+    be = kvpass(StreamingLLM(sinks=2, window=60), own_cache=False, strict=True)
+    assert torch.equal(generate(model, ids, new_tokens=4, backend=be), ref)
+    assert not any("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
+
+
+@pytest.mark.parametrize("policy", [Full(), Quest(budget=64, page_size=8)])
+def test_beam_search_reorders_the_owned_cache(policy):
+    model = tiny_llama(layers=2)
+    ids = prompt(24)
+    kw = dict(num_beams=3, num_return_sequences=3)
+    ref = generate(model, ids, new_tokens=5, **kw)
+    out = generate(model, ids, new_tokens=5, backend=kvpass(policy, strict=True), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_cache_filled_eagerly_is_adopted():
+    """An eager prefill followed by compiled decoding: the runtime adopts the model's real cache."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(layers=2)
+    ids = prompt(20)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        first = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        ref_cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=ref_cache, use_cache=True)
+        ref = model(first, past_key_values=ref_cache, use_cache=True).logits
+        be = kvpass(Full(), strict=True)
+        out = torch.compile(model.forward, backend=be)(first, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(out, ref)
+    assert all(st.store.length == 21 for st in be.runtime.sites.values())

@@ -62,7 +62,7 @@ class KVPassGraphPass(CustomGraphPass):
 
     def __init__(self, backend: KVPassBackend):
         self._backend = weakref.ref(backend)
-        self._key = backend.policy.key()
+        self._key = backend.policy.key() + f"|own_cache={backend.own_cache}"
         self._handle = backend.runtime.handle
 
     def uuid(self) -> str:
@@ -101,7 +101,38 @@ class KVPassGraphPass(CustomGraphPass):
         info = backend.runtime.info(site, m.layer if m.layer is not None else site)
         info.module_path, info.pattern = m.module_path, m.pattern
         info.graphs += 1
-        target = torch.ops.kvpass.attention.default
+        if m.own is not None and backend.own_cache:
+            new = self._rewrite_owned(graph, m, site)
+        else:
+            new = self._rewrite_plain(graph, m, site)
+        m.out.replace_all_uses_with(new)
+        if m.out is not m.sdpa:
+            graph.erase_node(m.out)
+        if not m.sdpa.users:
+            graph.erase_node(m.sdpa)
+        counters["kvpass"]["sites_rewritten"] += 1
+        counters["kvpass"][m.pattern.split()[0]] += 1
+        if m.own is not None and backend.own_cache:
+            counters["kvpass"]["caches_owned"] += 1
+        q_len = _val(m.q).shape[2]
+        return {
+            "site": site,
+            "layer": m.layer,
+            "module": m.module_path,
+            "pattern": m.pattern + (" (owned)" if m.own is not None and backend.own_cache else ""),
+            "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
+        }
+
+    def _insert(self, graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
+        with graph.inserting_before(before):
+            new = graph.call_function(target, args=args)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+            if key in meta_from.meta:
+                new.meta[key] = meta_from.meta[key]
+        new.meta["val"] = _fake_value(target, args)
+        return new
+
+    def _rewrite_plain(self, graph: fx.Graph, m: SiteMatch, site: int) -> fx.Node:
         args = (
             m.q,
             m.k,
@@ -113,24 +144,34 @@ class KVPassGraphPass(CustomGraphPass):
             self._handle,
             site,
         )
-        with graph.inserting_before(m.sdpa):
-            new = graph.call_function(target, args=args)
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in m.sdpa.meta:
-                new.meta[key] = m.sdpa.meta[key]
-        new.meta["val"] = _fake_value(target, args)
-        m.out.replace_all_uses_with(new)
-        if m.out is not m.sdpa:
-            graph.erase_node(m.out)
-        if not m.sdpa.users:
-            graph.erase_node(m.sdpa)
-        counters["kvpass"]["sites_rewritten"] += 1
-        counters["kvpass"][m.pattern.split()[0]] += 1
-        q_len = _val(m.q).shape[2]
-        return {
-            "site": site,
-            "layer": m.layer,
-            "module": m.module_path,
-            "pattern": m.pattern,
-            "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
-        }
+        return self._insert(graph, m.sdpa, torch.ops.kvpass.attention.default, args, m.sdpa)
+
+    def _rewrite_owned(self, graph: fx.Graph, m: SiteMatch, site: int) -> fx.Node:
+        """The runtime keeps the keys and values; the graph returns stubs for the model's cache, so
+        the whole-cache ``cat`` becomes dead code."""
+        o = m.own
+        args = (
+            m.q,
+            o["k_new"],
+            o["v_new"],
+            o["k_past"],
+            o["v_past"],
+            m.attn_mask,
+            float(m.scale) if m.scale is not None else 0.0,
+            m.is_causal,
+            self._handle,
+            site,
+        )
+        new = self._insert(graph, m.sdpa, torch.ops.kvpass.attention_owned.default, args, m.sdpa)
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for store, fresh, past in ((o["k_store"], o["k_new"], o["k_past"]), (o["v_store"], o["v_new"], o["v_past"])):
+            stub = self._insert(graph, output, torch.ops.kvpass.cache_stub.default, (fresh, past), m.sdpa)
+            output.replace_input_with(store, stub)
+            # Inductor restrides outputs to their original (dense) strides; a stub must stay a stub.
+            flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+            strides = output.meta.get("original_output_strides")
+            if strides is not None:
+                for i, a in enumerate(flat):
+                    if a is stub and i < len(strides):
+                        strides[i] = None
+        return new

@@ -38,3 +38,50 @@ def attention(
 def _attention_fake(q, k, v, attn_mask, cache_position, scale, is_causal, handle, site):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("kvpass::attention_owned", mutates_args=())
+def attention_owned(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    past_k: Tensor | None,
+    past_v: Tensor | None,
+    attn_mask: Tensor | None,
+    scale: float,
+    is_causal: bool,
+    handle: int,
+    site: int,
+) -> Tensor:
+    """Attention of a site whose KV cache the runtime owns.
+
+    q: (B, H_q, T, D); k_new, v_new: (B, H_kv, T, D) this step's keys and values; past_k, past_v:
+    what the model's cache held before this step (the stub :func:`cache_stub` returned last step,
+    or None at prefill). The runtime appends the new tokens to its own buffers in place.
+    Returns (B, H_q, T, D), contiguous.
+    """
+    rt = registry.lookup(handle)
+    out = rt.attend_owned(site, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+    return out.contiguous()
+
+
+@attention_owned.register_fake
+def _attention_owned_fake(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal, handle, site):
+    return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
+
+
+@torch.library.custom_op("kvpass::cache_stub", mutates_args=())
+def cache_stub(new: Tensor, past: Tensor | None) -> Tensor:
+    """What the model's cache keeps for a runtime-owned site: (B, H, L, D) with sequence stride 0,
+    L = past length + new length, so the model sees the true length while holding no tokens."""
+    from kvpass.runtime.store import make_stub
+
+    length = new.shape[2] + (past.shape[2] if past is not None else 0)
+    return make_stub(new, length)
+
+
+@cache_stub.register_fake
+def _cache_stub_fake(new, past):
+    b, h, t, d = new.shape
+    length = t + (past.shape[2] if past is not None else 0)
+    return new.new_empty((b, h, 1, d)).as_strided((b, h, length, d), (h * d, d, 0, 1))

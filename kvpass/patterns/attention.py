@@ -63,6 +63,10 @@ class SiteMatch:
     module_path: str
     layer: int | None
     repeat_kv: bool
+    # For a cache that grows by cat (P1) or is first stored at prefill (P3): the new keys/values, the
+    # past cache (None at prefill) and the node the graph returns for the cache to keep. When set,
+    # the runtime can own the cache (the model keeps a stub).
+    own: dict | None = None
 
 
 @dataclasses.dataclass
@@ -135,15 +139,18 @@ def _is_seq_slice(node: fx.Node) -> bool:
     return dim in (2, -2) and start == 0 and step == 1
 
 
-def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.Node | None, str]:
-    """Classify the node holding the cache. Returns (pattern, cache_position node, reason)."""
-    node = base.args[0] if _is_seq_slice(base) else base
+def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.Node | None, str, tuple | None]:
+    """Classify the node holding the cache. Returns (pattern, cache_position node, reason,
+    (new, past, stored) when the runtime could own this cache, else None)."""
+    sliced = _is_seq_slice(base)
+    node = base.args[0] if sliced else base
     if node.target is aten.cat.default:
         tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
         ndim = len(_shape(node))
         if len(tensors) == 2 and dim in (ndim - 2, -2) and tensors[0].op == "placeholder":
-            return "P1 cat", None, ""
-        return None, None, "a cat that is not a cache update (expected cat([past_cache, new], dim=-2))"
+            own = (tensors[1], tensors[0], node) if node in outputs and not sliced else None
+            return "P1 cat", None, "", own
+        return None, None, "a cat that is not a cache update (expected cat([past_cache, new], dim=-2))", None
     if node.target in (aten.index_put.default, aten.index_put_.default):
         indices = node.args[1]
         if (
@@ -153,11 +160,11 @@ def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.
             and isinstance(indices[2], fx.Node)
             and len(_shape(indices[2])) == 1
         ):
-            return "P2 index_put", indices[2], ""
-        return None, None, "an index_put that is not a static-cache write (expected [None, None, pos])"
+            return "P2 index_put", indices[2], "", None
+        return None, None, "an index_put that is not a static-cache write (expected [None, None, pos])", None
     if node in outputs:
-        return "P3 prefill", None, ""
-    return None, None, "no KV-cache update feeds this attention (use_cache=False, or an unknown cache)"
+        return "P3 prefill", None, "", ((node, None, node) if not sliced else None)
+    return None, None, "no KV-cache update feeds this attention (use_cache=False, or an unknown cache)", None
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
@@ -210,8 +217,8 @@ def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
         if qv.shape[1] % kb.shape[1] != 0 or kb.shape[1] != vb.shape[1]:
             reject(f"query heads {qv.shape[1]} are not a multiple of KV heads {kb.shape[1]}")
             continue
-        k_pat, k_pos, k_why = _cache_update(k_base, outputs)
-        v_pat, v_pos, v_why = _cache_update(v_base, outputs)
+        k_pat, k_pos, k_why, k_own = _cache_update(k_base, outputs)
+        v_pat, v_pos, v_why, v_own = _cache_update(v_base, outputs)
         if k_pat is None or v_pat is None:
             reject(k_why or v_why)
             continue
@@ -238,6 +245,12 @@ def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
                 module_path=path,
                 layer=layer,
                 repeat_kv=k_rep or v_rep,
+                own=(
+                    {"k_new": k_own[0], "k_past": k_own[1], "k_store": k_own[2],
+                     "v_new": v_own[0], "v_past": v_own[1], "v_store": v_own[2]}
+                    if k_own is not None and v_own is not None
+                    else None
+                ),
             )
         )
     return sites, unmatched

@@ -68,12 +68,12 @@ class QuestState(SiteState):
         ps = self.policy.page_size
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)
-        if call.past == 0:
+        if call.start == 0:
             kmin, kmax = quest_page_minmax_ref(call.k_logical, ps)
             self.kmin[:, :, :pages] = kmin
             self.kmax[:, :, :pages] = kmax
         else:
-            quest_update_minmax_(self.kmin, self.kmax, call.k[:, :, call.past : call.length], call.past, ps)
+            quest_update_minmax_(self.kmin, self.kmax, call.k[:, :, call.start : call.length], call.start, ps)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         from kvpass.lowering.dispatch import quest_scores

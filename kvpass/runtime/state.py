@@ -48,6 +48,11 @@ class AttentionCall:
     is_causal: bool
     length: int  # logical length L, new tokens included
     valid: torch.Tensor | None  # (B, L) bool, False on padding; None when nothing is masked
+    start: int = -1  # first position not yet folded into the site's metadata (0: rebuild); -1: past
+
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.past
 
     @property
     def new_tokens(self) -> int:
@@ -114,8 +119,11 @@ class SiteState:
     token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all)."""
 
     def __init__(self, policy: Policy, info: SiteInfo):
+        from kvpass.runtime.store import OwnedKV
+
         self.policy = policy
         self.info = info
+        self.store = OwnedKV()  # used when the pass gave this site's cache to the runtime
         self.prefill_calls = 0
         self.decode_calls = 0
         self.reset()
@@ -129,12 +137,16 @@ class SiteState:
         self.attended = 0
         self.last_idx: torch.Tensor | None = None
 
-    def forward(self, call: AttentionCall) -> torch.Tensor:
-        if call.past == 0:
+    def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
+        if call.start == 0:
             self.reset()
         self.length = call.length
-        self.physical = call.k.shape[2]
-        self.kv_bytes = 2 * call.k[:, :, :1].numel() * call.k.element_size() * self.physical
+        if owned:
+            self.physical = self.store.length
+            self.kv_bytes = self.store.nbytes()
+        else:
+            self.physical = call.k.shape[2]
+            self.kv_bytes = 2 * call.k[:, :, :1].numel() * call.k.element_size() * self.physical
         self.observe(call)
         if call.new_tokens > 1:
             # Prefill and chunked prefill attend exactly, as every method here does.
@@ -158,7 +170,7 @@ class SiteState:
 
     # -- policy hooks ----------------------------------------------------------------------------
     def observe(self, call: AttentionCall) -> None:
-        """Fold the tokens at positions ``[call.past, call.length)`` into the metadata."""
+        """Fold the tokens at positions ``[call.start, call.length)`` into the metadata."""
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         return None
@@ -233,6 +245,40 @@ class Runtime:
         )
         with self._lock:
             return self.state(site).forward(call)
+
+    def attend_owned(
+        self,
+        site: int,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        scale: float,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
+        cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
+        if scale <= 0:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+        with self._lock:
+            st = self.state(site)
+            rebuilt = st.store.append(past_k, past_v, k_new, v_new)
+            k, v = st.store.views()
+            length = k.shape[2]
+            call = AttentionCall(
+                q=q,
+                k=k,
+                v=v,
+                attn_mask=attn_mask,
+                scale=scale,
+                is_causal=is_causal,
+                length=length,
+                valid=valid_from_mask(attn_mask, length),
+                start=0 if rebuilt else length - k_new.shape[2],
+            )
+            return st.forward(call, owned=True)
 
     def reset(self) -> None:
         with self._lock:
