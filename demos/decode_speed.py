@@ -54,6 +54,7 @@ printed first; ``--json PATH`` writes every number, including the individual dec
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -68,13 +69,26 @@ from transformers.generation.streamers import BaseStreamer
 
 
 class StepTimer(BaseStreamer):
-    """Records time.perf_counter() at every put(): the prompt, then each new token."""
+    """Records time.perf_counter() at every put(): the prompt, then each new token.
 
-    def __init__(self):
+    With ``profile_after`` set, runs ``torch.profiler`` over the decode steps that follow the
+    ``profile_after``-th new token (those steps are not among the timed ones)."""
+
+    def __init__(self, profile_after: int | None = None, profile_steps: int = 0):
         self.times: list[float] = []
+        self.profile_after, self.profile_steps = profile_after, profile_steps
+        self.prof = None
 
     def put(self, value):
         self.times.append(time.perf_counter())
+        if self.profile_after is None:
+            return
+        n = len(self.times) - 1  # new tokens so far
+        if n == self.profile_after:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            self.prof.start()
+        elif n == self.profile_after + self.profile_steps and self.prof is not None:
+            self.prof.stop()
 
     def end(self):
         pass
@@ -90,11 +104,11 @@ def build_prompt(tokenizer, n_tokens: int) -> torch.Tensor:
     return ids[:, :n_tokens].contiguous()
 
 
-def run_generate(model, input_ids: torch.Tensor, new_tokens: int, cache: str) -> StepTimer:
-    timer = StepTimer()
+def run_generate(model, input_ids: torch.Tensor, new_tokens: int, cache: str, profile_steps: int = 0) -> StepTimer:
+    timer = StepTimer(new_tokens if profile_steps else None, profile_steps)
     kwargs = dict(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # never stop early on <|im_end|>
+        max_new_tokens=new_tokens + profile_steps,
+        min_new_tokens=new_tokens + profile_steps,  # never stop early on <|im_end|>
         do_sample=False,
         streamer=timer,
     )
@@ -102,8 +116,35 @@ def run_generate(model, input_ids: torch.Tensor, new_tokens: int, cache: str) ->
         kwargs["cache_implementation"] = "static"
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-    timer.tokens = out[0, input_ids.shape[1]:].tolist()
+    timer.tokens = out[0, input_ids.shape[1] : input_ids.shape[1] + new_tokens].tolist()
+    timer.times = timer.times[: new_tokens + 1]
     return timer
+
+
+def profile_summary(prof, steps: int) -> tuple[dict, str]:
+    """ms per decode step by op group, and the top ops by self time."""
+    events = prof.key_averages()
+    per = lambda us: us / 1e3 / steps  # noqa: E731
+    total_self = sum(e.self_cpu_time_total for e in events)
+    groups = collections.OrderedDict(
+        [("kvpass::attention (incl. children)", 0.0), ("sdpa (all, incl. children)", 0.0),
+         ("cat / KV-cache copy (self)", 0.0), ("mm/addmm/linear/bmm (self)", 0.0),
+         ("index_put/index_copy/copy_ (self)", 0.0), ("all ops (self, sum)", per(total_self))]
+    )
+    for e in events:
+        name = e.key
+        if name == "kvpass::attention":
+            groups["kvpass::attention (incl. children)"] += per(e.cpu_time_total)
+        if name in ("aten::scaled_dot_product_attention",) and "kvpass" not in name:
+            groups["sdpa (all, incl. children)"] += per(e.cpu_time_total)
+        if "cat" in name.lower() and not name.startswith("kvpass"):
+            groups["cat / KV-cache copy (self)"] += per(e.self_cpu_time_total)
+        if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul") or name.startswith("mkl"):
+            groups["mm/addmm/linear/bmm (self)"] += per(e.self_cpu_time_total)
+        if name in ("aten::index_put_", "aten::index_copy_", "aten::copy_", "aten::index_put"):
+            groups["index_put/index_copy/copy_ (self)"] += per(e.self_cpu_time_total)
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=55)
+    return dict(groups), table
 
 
 def unique_graphs() -> int:
@@ -160,7 +201,7 @@ def measure(model, tokenizer, long_ids, label, kind, policy, cache, args) -> dic
             )
         g0 = unique_graphs()
         gc.collect()
-        timer = run_generate(model, long_ids, args.new_tokens, cache)
+        timer = run_generate(model, long_ids, args.new_tokens, cache, args.profile_steps)
         row["graphs_in_long_run"] = unique_graphs() - g0 if kind != "eager" else 0
     finally:
         if "forward" in model.__dict__:
@@ -180,10 +221,26 @@ def measure(model, tokenizer, long_ids, label, kind, policy, cache, args) -> dic
         decode_ms_all=steps_ms,
         tokens=timer.tokens,
     )
+    if timer.prof is not None:
+        groups, table = profile_summary(timer.prof, args.profile_steps)
+        row["profile_ms_per_step"] = groups
+        print(f"  [{label}] profile of {args.profile_steps} decode steps after the timed ones (ms/step):")
+        for k, v in groups.items():
+            print(f"      {k:40s} {v:8.1f}")
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
+            path = os.path.join(args.profile_dir, f"{label.replace('/', '_')}.txt")
+            with open(path, "w") as f:
+                f.write(table)
+                f.write("\n\n")
+                f.write(timer.prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=55,
+                    max_shapes_column_width=80))
+            print(f"      full table: {path}")
     if backend is not None and kind == "kvpass":
         rows = [r for r in backend.report_rows() if "reason" not in r]
         row["sites"] = len(rows)
-        row["tokens_attended"] = rows[0]["tokens_attended"] if rows else None
+        row["tokens_attended"] = max((r["tokens_attended"] for r in rows), default=None)
         row["left_exact"] = sum(1 for r in backend.report_rows() if "reason" in r)
     print(
         f"  [{label}] prefill {row['prefill_s']:.1f} s, decode median {row['decode_ms_median']:.1f} ms, "
@@ -208,10 +265,15 @@ def main(argv=None) -> int:
     ap.add_argument("--static", action="store_true", help="also run the policies with StaticCache")
     ap.add_argument("--skip", type=int, default=2, help="decode steps dropped at the start")
     ap.add_argument("--warmup-context", type=int, default=256, help="prompt tokens of the compile warm-up")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="run torch.profiler over this many extra decode steps after the timed ones")
+    ap.add_argument("--profile-dir", default=None, help="write each configuration's profile table here")
     ap.add_argument("--json", default=None, metavar="PATH", help="write all numbers to PATH")
     args = ap.parse_args(argv)
 
-    if args.context + args.new_tokens > 8192:
+    if args.profile_steps:
+        torch._inductor.config.cpp.enable_kernel_profile = True  # name each generated C++ kernel
+    if args.context + args.new_tokens + args.profile_steps > 8192:
         raise SystemExit("decode_speed: --context + --new-tokens must stay within the model's 8192 positions")
     if args.new_tokens - 1 - args.skip < 1:
         raise SystemExit("decode_speed: --new-tokens leaves no decode step after --skip")

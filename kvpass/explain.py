@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-_CALL = "torch.ops.kvpass.attention.default("
+# kvpass::attention and its variants (kvpass::attention_owned when the runtime owns the cache).
+_CALL = re.compile(r"torch\.ops\.kvpass\.(attention\w*)\.default\(")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(new)} file(s) written:")
         for f in new:
             text = Path(dump_dir, f).read_text(errors="replace")
-            n = text.count(_CALL)
+            n = len(_CALL.findall(text))
             print(f"  {f}" + (f"  ({n} kvpass.attention call(s))" if n else ""))
         graph_files = _rewritten_graph_files(method, new)
         print("rewritten graphs:")
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             problems += 1
             print(f"  found {len(graph_files)} post-pass graph file(s) for {len(backend.graphs)} graph(s)")
         for rec, f in zip(backend.graphs, graph_files):
-            n = Path(dump_dir, f).read_text(errors="replace").count(_CALL)
+            n = len(_CALL.findall(Path(dump_dir, f).read_text(errors="replace")))
             ok = n == len(rec.sites)
             problems += not ok
             print(f"  graph {rec.index} ({rec.kind}): {f}: {n} kvpass.attention call(s) for "

@@ -16,6 +16,9 @@ from kvpass import Full, Quest, StreamingLLM
 from kvpass.cli import main, parse_policy
 from kvpass.policies import Policy, base
 
+# kvpass::attention or a variant of it (kvpass::attention_owned when the runtime owns the cache)
+ATTENTION_CALL = re.compile(r"torch\.ops\.kvpass\.attention\w*\.default\(")
+
 
 # -- parse_policy ------------------------------------------------------------------------------------
 
@@ -168,7 +171,7 @@ def test_explain_tiny(capsys):
     out = capsys.readouterr().out
     assert "tiny random Llama" in out and "DynamicCache" in out
     assert [k for k, _ in _graphs(out)] == ["prefill", "decode", "decode"]  # dynamo: 3 compiles
-    assert "[P3 prefill]" in out and "[P1 cat]" in out
+    assert "[P3 prefill" in out and "[P1 cat" in out  # pattern names may carry suffixes
     _assert_every_layer_rewritten(out)
 
 
@@ -182,7 +185,7 @@ def test_explain_dump_dir_static_cache(tmp_path, capsys):
     rewritten = sorted(tmp_path.glob("*AFTER_POST_GRAD*.py"))
     assert len(rewritten) == len(_graphs(out)) == 2
     for f in rewritten:
-        assert f.read_text().count("torch.ops.kvpass.attention.default(") == 2, f
+        assert len(ATTENTION_CALL.findall(f.read_text())) == 2, f
     # Inductor's generated code calls the op as an extern kernel.
     assert any("kvpass.attention" in f.read_text() for f in tmp_path.glob("*kernel*.py"))
     assert "MISMATCH" not in out
@@ -203,7 +206,7 @@ def test_explain_dump_dir_falls_back_to_inductor_trace(tmp_path, capsys, monkeyp
     assert "with Inductor debug trace" in captured.out
     files = list(tmp_path.rglob("fx_graph_transformed.py"))
     assert len(files) == 1  # one new token: the prefill graph only
-    assert files[0].read_text().count("torch.ops.kvpass.attention.default(") == 2
+    assert len(ATTENTION_CALL.findall(files[0].read_text())) == 2
 
 
 # -- demo --------------------------------------------------------------------------------------------
