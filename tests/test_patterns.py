@@ -102,3 +102,56 @@ def test_eager_attention_implementation_is_reported():
     with pytest.raises(Exception, match="attn_implementation='sdpa'") as info:
         generate(model, ids, new_tokens=3, backend=kvpass(Full(), strict=True))
     assert isinstance(_inner(info.value), KVPassError)
+
+
+def _synthetic_graph(target, with_getitem=True):
+    """cat-updated cache feeding one SDPA flavour, built by hand with meta-tensor values: the CUDA
+    variants cannot be traced on this CPU-only machine, but the matcher only reads node metadata."""
+    import operator
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+
+    def ph(name, *shape):
+        n = g.placeholder(name)
+        n.meta["val"] = torch.empty(*shape, device="meta")
+        return n
+
+    q = ph("q", 1, 4, 1, 16)
+    pk, nk, pv, nv = ph("pk", 1, 2, 7, 16), ph("nk", 1, 2, 1, 16), ph("pv", 1, 2, 7, 16), ph("nv", 1, 2, 1, 16)
+    ck = g.call_function(aten.cat.default, ([pk, nk], -2))
+    cv = g.call_function(aten.cat.default, ([pv, nv], -2))
+    ck.meta["val"] = cv.meta["val"] = torch.empty(1, 2, 8, 16, device="meta")
+    names = [a.name for a in target._schema.arguments]
+    args = [q, ck, cv] + [None] * (len(names) - 3)
+    kwargs = {}
+    for i, name in enumerate(names):
+        if name in ("attn_bias", "attn_mask"):
+            args[i] = None
+        elif name == "dropout_p":
+            args[i] = 0.0
+        elif name in ("is_causal", "compute_log_sumexp", "return_debug_mask"):
+            args[i] = False
+        elif name == "scale":
+            args[i] = None
+        elif name == "enable_gqa":
+            args[i] = True
+    while args and args[-1] is None and names[len(args) - 1] not in ("attn_bias",):
+        args.pop()
+    sdpa = g.call_function(target, tuple(args), kwargs)
+    sdpa.meta["nn_module_stack"] = {"x": ("L['self'].model.layers[5].self_attn", object)}
+    out = g.call_function(operator.getitem, (sdpa, 0)) if with_getitem else sdpa
+    out.meta["val"] = torch.empty(1, 4, 1, 16, device="meta")
+    g.output((ck, cv, out))
+    return g
+
+
+@pytest.mark.parametrize("name", ["sdpa_flash_cpu", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa"])
+def test_every_sdpa_flavour_is_matched(name):
+    from kvpass.patterns.attention import SDPA_TARGETS, find_sites
+
+    target = next(t for t, n in SDPA_TARGETS.items() if n == name)
+    sites, unmatched = find_sites(_synthetic_graph(target, with_getitem=name != "sdpa"))
+    assert not unmatched
+    (site,) = sites
+    assert site.layer == 5 and site.pattern.startswith("P1 cat") and site.own is not None
