@@ -160,3 +160,17 @@ def test_cache_filled_eagerly_is_adopted():
         out = torch.compile(model.forward, backend=be)(first, past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(out, ref)
     assert all(st.store.length == 21 for st in be.runtime.sites.values())
+
+
+def test_module_compile_works_too():
+    model = tiny_llama(layers=2)
+    ids = prompt(16)
+    ref = generate(model, ids, new_tokens=4)
+    be = kvpass(Full(), strict=True)
+    model.compile(backend=be)
+    try:
+        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    finally:
+        model._compiled_call_impl = None
+    assert torch.equal(out, ref)
+    assert [r["decode_calls"] for r in be.report_rows()] == [3, 3]
