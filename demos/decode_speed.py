@@ -133,7 +133,7 @@ def profile_summary(prof, steps: int) -> tuple[dict, str]:
     )
     for e in events:
         name = e.key
-        if name == "kvpass::attention":
+        if name.startswith("kvpass::attention"):
             groups["kvpass::attention (incl. children)"] += per(e.cpu_time_total)
         if name in ("aten::scaled_dot_product_attention",) and "kvpass" not in name:
             groups["sdpa (all, incl. children)"] += per(e.cpu_time_total)
@@ -241,12 +241,15 @@ def measure(model, tokenizer, long_ids, label, kind, policy, cache, args) -> dic
         rows = [r for r in backend.report_rows() if "reason" not in r]
         row["sites"] = len(rows)
         row["tokens_attended"] = max((r["tokens_attended"] for r in rows), default=None)
+        row["decode_calls"] = max((r["decode_calls"] for r in rows), default=None)
+        row["report_first_row"] = {k: v for k, v in rows[0].items()} if rows else None
         row["left_exact"] = sum(1 for r in backend.report_rows() if "reason" in r)
     print(
         f"  [{label}] prefill {row['prefill_s']:.1f} s, decode median {row['decode_ms_median']:.1f} ms, "
         f"min {row['decode_ms_min']:.1f} ms over {len(kept)} steps"
         + (f", {row['graphs_in_long_run']} graph(s) compiled in the long run" if kind != "eager" else "")
-        + (f", {row['sites']} sites, {row['tokens_attended']} tokens attended" if "sites" in row else ""),
+        + (f", {row['sites']} sites, {row['tokens_attended']} tokens attended (last step), "
+           f"{row['decode_calls']} decode calls per site" if "sites" in row else ""),
         flush=True,
     )
     del backend

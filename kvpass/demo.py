@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -157,8 +158,12 @@ def _generation_config(model, new_tokens: int):
     gen.do_sample = False
     gen.temperature = gen.top_p = gen.top_k = None
     # Decode the same number of tokens with every policy: do not stop at <|im_end|> (the answer is cut
-    # there afterwards).
-    gen.eos_token_id = None
+    # there afterwards). An empty list, not None: generate() fills None from model.generation_config.
+    # Callers pass attention_mask: with pad (<|im_end|>) no longer an EOS token, generate() would
+    # otherwise infer a mask that hides the prompt's own <|im_end|> tokens as padding.
+    gen.eos_token_id = []
+    if gen.pad_token_id is None:
+        gen.pad_token_id = 0
     return gen
 
 
@@ -188,14 +193,16 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # listed in the result
             with step(f"{name}: compiling the prefill and decode graphs (warm-up on {WARMUP_TOKENS} tokens)"):
                 t0 = time.perf_counter()
-                model.generate(ids[:, :WARMUP_TOKENS], generation_config=_generation_config(model, 2))
+                warm = ids[:, :WARMUP_TOKENS]
+                model.generate(warm, attention_mask=torch.ones_like(warm),
+                               generation_config=_generation_config(model, 2))
                 compile_s = time.perf_counter() - t0
             compiled = len(backend.graphs)
             with step(f"{name}: prefill {ids.shape[1]} tokens, then decode {new_tokens}"):
                 stamps = _Stamps()
                 start = time.perf_counter()
-                out = model.generate(ids, generation_config=_generation_config(model, new_tokens),
-                                     streamer=stamps)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     generation_config=_generation_config(model, new_tokens), streamer=stamps)
     finally:
         model.forward = fwd
     t = stamps.times
@@ -264,23 +271,48 @@ def _print_result(r: Result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpass import Full
     from kvpass.cli import policy_from_args
-    from kvpass.models import load_smollm2, smollm2_cache_path
 
     context = args.context if args.context is not None else (1024 if args.quick else 4096)
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 24)
     if new_tokens < 2:
         raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
     policy = policy_from_args(args)  # before the slow load: a bad --policy fails at once
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(policy, context, new_tokens)
+    finally:
+        torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
+
+
+def _busy_hint() -> str:
+    """A hint when other processes compete for the cores: each parallel op then waits at OpenMP
+    barriers for a thread that is not running, and a policy made of many small ops suffers most."""
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    if threads > 1 and load > cores - 0.5:
+        return (f"  note: load average {load:.1f} on {cores} cores: other processes compete for them, so "
+                f"times are noisy and {threads} threads may be slower than --threads 1\n")
+    return ""
+
+
+def _run(policy, context: int, new_tokens: int) -> int:
+    from kvpass import Full
+    from kvpass.models import load_smollm2, smollm2_cache_path
+
     policies = [Full(), policy]
 
-    print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {torch.get_num_threads()} threads, "
+    nt = torch.get_num_threads()
+    print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {nt} thread{'s' * (nt != 1)}, "
           f"Full vs {policy.describe()}", flush=True)
+    print(_busy_hint(), end="", flush=True)
     step = _Steps(2 + 2 * len(policies))
     first = not (smollm2_cache_path() / "kvpass.json").exists()
     with step("converting the bundled SmolLM2 GGUF (once, about 30 s)" if first else "loading SmolLM2-135M-Instruct"):

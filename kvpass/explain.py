@@ -15,6 +15,9 @@ decompiled-and-recompiled version and runs that; on torch 2.13 its decompiler mi
 Hugging Face wrapper's bytecode (``kwargs.clear()`` before ``kwargs['input_ids']`` is read: a
 ``KeyError``), so here depyf only writes its decompiled source for reading and dynamo keeps running
 its own bytecode.
+
+Exit status: 0; 1 when a compiled graph has attention sites but none for some layer, or a dumped
+post-pass graph lacks a ``kvpass`` call for one of its sites; 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ def tiny_model():
 
 
 def smollm2_model():
-    from kvpass.models import chat_prompt, load_smollm2
+    from kvpass.models import chat_prompt, load_smollm2, smollm2_cache_path
 
-    model, tok = load_smollm2()
+    # Progress output only for the one-time conversion, not for every load.
+    model, tok = load_smollm2(progress=not (smollm2_cache_path() / "kvpass.json").exists())
     text = chat_prompt(tok, "What is the capital of France?")
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     return model, ids, "SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, head_dim 64)"
@@ -86,7 +90,7 @@ def _generate(model, ids, backend, new_tokens: int, cache: str):
     gen = copy.deepcopy(model.generation_config)
     gen.max_new_tokens, gen.min_new_tokens, gen.do_sample = new_tokens, None, False
     gen.temperature = gen.top_p = gen.top_k = None
-    gen.eos_token_id = None
+    gen.eos_token_id = []  # not None: generate() would fill None in from model.generation_config
     if gen.pad_token_id is None:
         gen.pad_token_id = 0
     if cache == "static":
@@ -95,7 +99,9 @@ def _generate(model, ids, backend, new_tokens: int, cache: str):
     model.forward = torch.compile(fwd, backend=backend)
     try:
         with torch.inference_mode():
-            return model.generate(ids, generation_config=gen)
+            # An explicit mask: otherwise generate() infers one from the pad token, which hides
+            # SmolLM2's <|im_end|> tokens in the prompt once <|im_end|> is no longer an EOS token.
+            return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     finally:
         model.forward = fwd
 

@@ -226,4 +226,40 @@ def test_demo_quick(smollm2, monkeypatch, capsys):
     assert "7391" in answers[0], out  # Full finds the fact at 1k tokens (greedy, fp32: deterministic)
     assert re.search(r"^decode speed: Full [\d.]+ ms/token, Quest\(.*\) [\d.]+ ms/token: [\d.]+x (faster|slower)",
                      out, flags=re.M), out
-    assert re.search(r"prefill:\s+[\d.]+ s\s+decode: [\d.]+ ms/token \(8 tokens", out), out
+    assert re.search(r"prefill:\s+[\d.]+ s\s+decode: [\d.]+ ms/token \(12 tokens", out), out
+
+
+def test_demo_generation_config_decodes_past_eos_without_masking_the_prompt():
+    """The demo decodes a fixed number of tokens (EOS does not stop it), and prompt tokens equal to the
+    pad token stay visible (generate() must not infer a padding mask from them: SmolLM2 pads with
+    <|im_end|>, which every chat prompt holds)."""
+    import functools
+
+    import torch
+    from tiny import prompt, tiny_llama
+
+    from kvpass.demo import _generation_config
+
+    model = tiny_llama()
+    ids = prompt(16)
+    expected = ids
+    with torch.no_grad():
+        for _ in range(6):  # greedy, no cache, nothing masked
+            nxt = model(expected).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, nxt], dim=1)
+    gen = model.generation_config
+    gen.eos_token_id = int(expected[0, 16])  # the first new token: a default generate stops at once
+    gen.pad_token_id = int(ids[0, 3])  # a prompt token
+    assert gen.pad_token_id != gen.eos_token_id
+    masks = []
+    fwd = model.forward
+
+    @functools.wraps(fwd)  # generate() reads forward's signature to decide what to pass
+    def recording_forward(*args, **kwargs):
+        masks.append(kwargs.get("attention_mask"))
+        return fwd(*args, **kwargs)
+
+    model.forward = recording_forward
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_generation_config(model, 6))
+    assert torch.equal(out, expected)
+    assert masks and all(m is None or bool(m.all()) for m in masks)

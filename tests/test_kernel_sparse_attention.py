@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvpass.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+from kvpass.kernels.sparse_attention import (
+    paged_decode_attention_ref,
+    sparse_decode_attention,
+    sparse_decode_attention_ref,
+)
 from strategies import (
     TOL,
     AttentionProblem,
@@ -238,3 +242,30 @@ def test_launcher_errors(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="kvpass: .*use sparse_decode_attention_ref on CPU"):
         sparse_decode_attention(q, k, v)
+
+
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 3),
+    g=st.sampled_from([1, 3, 4]),
+    page_size=st.sampled_from([1, 4, 16]),
+    pages_cap=st.integers(1, 12),
+    data=st.data(),
+)
+def test_paged_reference_equals_token_reference(b, h_kv, g, page_size, pages_cap, data):
+    """Quest's CPU path (one gather row per page) equals the token-index reference."""
+    d = 16
+    cap = pages_cap * page_size
+    length = data.draw(st.integers(1, cap))
+    live = -(-length // page_size)
+    n = data.draw(st.integers(1, live))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q = torch.randn(b, h_kv * g, d, generator=gen)
+    k = torch.randn(b, h_kv, cap, d, generator=gen)
+    v = torch.randn(b, h_kv, cap, d, generator=gen)
+    pages = torch.stack([torch.randperm(live, generator=gen)[:n] for _ in range(b * h_kv)]).view(b, h_kv, n)
+    idx = (pages[..., None] * page_size + torch.arange(page_size)).flatten(-2)
+    idx = torch.where(idx < length, idx, -1)
+    want = sparse_decode_attention_ref(q, k[:, :, :length], v[:, :, :length], idx=idx)
+    got = paged_decode_attention_ref(q, k, v, pages, page_size, length)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -87,19 +87,30 @@ def _attend_oracle(q, k, v, sel, scale):
     return out
 
 
-def _prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed=0):
+def _prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed=0, owned=False):
+    """Drive one site: a prefill, then decode steps; the model's cache (owned=False) or the
+    runtime's own store fed with stubs (owned=True), as the two rewrites do."""
+    from kvpass.runtime.store import make_stub
+
     torch.manual_seed(seed)
     rt = Runtime(policy)
     k = torch.randn(b, hkv, length, d)
     v = torch.randn(b, hkv, length, d)
     q = torch.randn(b, hkv * g, length, d)
-    rt.attend(0, q, k, v, None, None, 0.0, True)
+    if owned:
+        rt.attend_owned(0, q, k, v, None, None, None, 0.0, True)
+    else:
+        rt.attend(0, q, k, v, None, None, 0.0, True)
     outs = []
     for _ in range(steps):
-        k = torch.cat([k, torch.randn(b, hkv, 1, d)], 2)
-        v = torch.cat([v, torch.randn(b, hkv, 1, d)], 2)
+        kn, vn = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
         q1 = torch.randn(b, hkv * g, 1, d)
-        out = rt.attend(0, q1, k, v, None, None, 0.0, False)
+        if owned:
+            stub = make_stub(kn, k.shape[2])
+            out = rt.attend_owned(0, q1, kn, vn, stub, stub, None, 0.0, False)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        if not owned:
+            out = rt.attend(0, q1, k, v, None, None, 0.0, False)
         outs.append((q1[:, :, 0], k, v, out[:, :, 0], rt.state(0).last_idx))
     return outs
 
@@ -108,9 +119,10 @@ def _as_sets(idx):
     return {(b, h): {int(t) for t in idx[b, h] if t >= 0} for b in range(idx.shape[0]) for h in range(idx.shape[1])}
 
 
+@pytest.mark.parametrize("owned", [False, True])
 @pytest.mark.parametrize("sinks, window", [(4, 20), (0, 33), (16, 64)])
-def test_streaming_selects_sinks_and_window(sinks, window):
-    for q, k, v, out, idx in _prefill_then_decode(StreamingLLM(sinks=sinks, window=window)):
+def test_streaming_selects_sinks_and_window(sinks, window, owned):
+    for q, k, v, out, idx in _prefill_then_decode(StreamingLLM(sinks=sinks, window=window), owned=owned):
         length = k.shape[2]
         sel = _as_sets(idx)
         want = _oracle_streaming(length, sinks, window)
@@ -120,9 +132,11 @@ def test_streaming_selects_sinks_and_window(sinks, window):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("budget, page_size, gqa", [(32, 8, "sum"), (64, 16, "max"), (48, 16, "sum")])
-def test_quest_selects_top_pages_and_newest_page(budget, page_size, gqa):
-    for q, k, v, out, idx in _prefill_then_decode(Quest(budget=budget, page_size=page_size, gqa=gqa)):
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("budget, page_size, gqa", [(32, 8, "sum"), (64, 16, "max"), (48, 16, "sum"), (40, 5, "sum")])
+def test_quest_selects_top_pages_and_newest_page(budget, page_size, gqa, owned):
+    policy = Quest(budget=budget, page_size=page_size, gqa=gqa)
+    for q, k, v, out, idx in _prefill_then_decode(policy, owned=owned):
         sel = _as_sets(idx)
         assert sel == _oracle_quest(q, k, budget, page_size, gqa)
         assert all(len(s) <= budget and (k.shape[2] - 1) in s for s in sel.values())

@@ -408,3 +408,43 @@ def sparse_decode_attention_ref(
     denom.masked_fill_(denom == 0, 1.0)  # all-masked rows have p = 0, so the output is 0
     out = torch.matmul(p, vs.float()).div_(denom)  # (B, H_kv, G, Dv)
     return out.reshape(B, H_q, Dv).to(q.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    length: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`sparse_decode_attention_ref` for selections made of whole pages (Quest): one gather
+    row per page instead of per token, the CPU fast path.
+
+    q ``(B, H_q, D)``; k, v ``(B, H_kv, C, D)`` contiguous buffers whose capacity C is a multiple of
+    ``page_size`` (positions ``>= length`` must hold finite values: they are masked); pages
+    ``(B, H_kv, n)`` distinct page indices with ``page * page_size < length``. Returns ``(B, H_q, D)``.
+    Equals :func:`sparse_decode_attention_ref` with the pages' token positions as ``idx``.
+    """
+    B, H_q, D = q.shape
+    _, H_kv, C, _ = k.shape
+    Dv = v.shape[3]
+    if not (k.is_contiguous() and v.is_contiguous() and C % page_size == 0):
+        raise ValueError(
+            f"kvpass: paged_decode_attention_ref needs contiguous k/v with capacity a multiple of "
+            f"page_size={page_size}, got shape {tuple(k.shape)}"
+        )
+    G, n = H_q // H_kv, pages.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    per_head = C // page_size
+    rows = (torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1) * per_head + pages).reshape(-1)
+    ks = k.view(-1, page_size * D).index_select(0, rows).view(B, H_kv, n * page_size, D)
+    vs = v.view(-1, page_size * Dv).index_select(0, rows).view(B, H_kv, n * page_size, Dv)
+    pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).view(B, H_kv, 1, -1)
+    qf = q.reshape(B, H_kv, G, D).float()
+    scores = torch.matmul(qf, ks.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G, n * page_size)
+    scores.masked_fill_(pos >= length, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.matmul(p, vs.float()).reshape(B, H_q, Dv).to(q.dtype)

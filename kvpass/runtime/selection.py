@@ -32,30 +32,28 @@ class StreamingState(SiteState):
 
 
 class QuestState(SiteState):
-    """Quest: per page of ``page_size`` tokens the channel-wise min and max key (fp32, grown by doubling)."""
+    """Quest: per page of ``page_size`` tokens the channel-wise max and min key, kept as one fp32
+    buffer ``meta (B, H_kv, P_cap, 2D)`` = [max | min] (grown by doubling), so that a page's bound
+    ``sum_d max(q_d max_d, q_d min_d) = relu(q)·max + min(q, 0)·min`` is one product with
+    ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata)."""
 
     def reset(self) -> None:
         super().reset()
-        self.kmin: torch.Tensor | None = None
-        self.kmax: torch.Tensor | None = None
+        self.meta: torch.Tensor | None = None
+        self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
 
     def metadata_bytes(self) -> int:
-        if self.kmin is None:
-            return 0
-        return 2 * self.kmin.numel() * self.kmin.element_size()
+        return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
 
     def _ensure_capacity(self, call: AttentionCall, pages: int) -> None:
-        if self.kmin is not None and self.kmin.shape[2] >= pages:
+        if self.meta is not None and self.meta.shape[2] >= pages:
             return
         b, h, _, d = call.k.shape
-        cap = max(pages, 2 * (self.kmin.shape[2] if self.kmin is not None else 0), 64)
-        kmin = call.k.new_empty((b, h, cap, d), dtype=torch.float32)
-        kmax = call.k.new_empty((b, h, cap, d), dtype=torch.float32)
-        if self.kmin is not None:
-            old = self.kmin.shape[2]
-            kmin[:, :, :old] = self.kmin
-            kmax[:, :, :old] = self.kmax
-        self.kmin, self.kmax = kmin, kmax
+        cap = max(pages, 2 * (self.meta.shape[2] if self.meta is not None else 0), 64)
+        meta = call.k.new_empty((b, h, cap, 2 * d), dtype=torch.float32)
+        if self.meta is not None:
+            meta[:, :, : self.meta.shape[2]] = self.meta
+        self.meta = meta
 
     def observe(self, call: AttentionCall) -> None:
         from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
@@ -65,30 +63,61 @@ class QuestState(SiteState):
                 "kvpass: Quest does not support left-padded batches (its pages would straddle padding "
                 "and real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
             )
-        ps = self.policy.page_size
+        ps, d = self.policy.page_size, call.k.shape[3]
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)
+        kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         if call.start == 0:
-            kmin, kmax = quest_page_minmax_ref(call.k_logical, ps)
-            self.kmin[:, :, :pages] = kmin
-            self.kmax[:, :, :pages] = kmax
+            lo, hi = quest_page_minmax_ref(call.k_logical, ps)
+            kmin[:, :, :pages] = lo
+            kmax[:, :, :pages] = hi
         else:
-            quest_update_minmax_(self.kmin, self.kmax, call.k[:, :, call.start : call.length], call.start, ps)
+            quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
+
+    def page_scores(self, call: AttentionCall, pages: int) -> torch.Tensor:
+        """(B, H_kv, pages) upper bounds of the query group's q·k per page."""
+        b, h_kv, _, d = call.k.shape
+        q = call.q[:, :, 0].reshape(b, h_kv, call.group, d).float()
+        if q.is_cuda:
+            from kvpass.lowering.dispatch import quest_scores
+
+            per_q = quest_scores(call.q[:, :, 0], self.meta[..., d:], self.meta[..., :d], pages)
+            per_q = per_q[..., :pages].reshape(b, h_kv, call.group, pages)
+            return per_q.sum(2) if self.policy.gqa == "sum" else per_q.amax(2)
+        qq = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # (B, H_kv, G, 2D)
+        meta = self.meta[:, :, :pages]
+        if self.policy.gqa == "sum":
+            # the bound is linear in q: the group's sum is one product with the summed query
+            return (meta * qq.sum(2)[:, :, None, :]).sum(-1)
+        return torch.matmul(qq, meta.transpose(-1, -2)).amax(2)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
-        from kvpass.lowering.dispatch import quest_scores
-
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         if length <= budget:
+            self.pages = None
             return None
         pages = -(-length // ps)
-        scores = quest_scores(call.q[:, :, 0], self.kmin, self.kmax, pages)  # (B, H_q, P_cap)
-        b, h_kv = call.k.shape[0], call.k.shape[1]
-        scores = scores[..., : pages - 1].reshape(b, h_kv, call.group, pages - 1)
-        scores = scores.sum(2) if self.policy.gqa == "sum" else scores.amax(2)
+        scores = self.page_scores(call, pages - 1)  # the newest page is always taken
         n_pages = min(budget // ps - 1, pages - 1)
-        top = scores.topk(n_pages, dim=-1).indices
-        last = torch.full((b, h_kv, 1), pages - 1, dtype=top.dtype, device=top.device)
-        chosen = torch.cat([top, last], dim=-1)  # (B, H_kv, n_pages + 1)
-        idx = (chosen[..., None] * ps + torch.arange(ps, device=top.device)).flatten(-2)
+        top = scores.topk(n_pages, dim=-1, sorted=False).indices
+        last = top.new_full((*top.shape[:2], 1), pages - 1)
+        self.pages = torch.cat([top, last], dim=-1)  # (B, H_kv, n_pages + 1)
+        idx = (self.pages[..., None] * ps + torch.arange(ps, device=top.device)).flatten(-2)
         return torch.where(idx < length, idx, -1)
+
+    def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        store = self.store
+        paged = (
+            not call.q.is_cuda
+            and store.k is not None
+            and call.k.data_ptr() == store.k.data_ptr()  # the owned store, not the model's cache
+            and store.k.shape[2] % self.policy.page_size == 0
+        )
+        if not paged:
+            return super().attend_selected(call, idx)
+        from kvpass.kernels.sparse_attention import paged_decode_attention_ref
+
+        out = paged_decode_attention_ref(
+            call.q[:, :, 0], store.k, store.v, self.pages, self.policy.page_size, call.length, call.scale
+        )
+        return out.unsqueeze(2)

@@ -145,8 +145,9 @@ class SiteState:
             self.physical = self.store.length
             self.kv_bytes = self.store.nbytes()
         else:
-            self.physical = call.k.shape[2]
-            self.kv_bytes = 2 * call.k[:, :, :1].numel() * call.k.element_size() * self.physical
+            k = call.k
+            self.physical = k.shape[2]
+            self.kv_bytes = 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size() * self.physical
         self.observe(call)
         if call.new_tokens > 1:
             # Prefill and chunked prefill attend exactly, as every method here does.
@@ -160,7 +161,11 @@ class SiteState:
         if idx is None:
             self.attended = call.length
             return call.exact()
-        self.attended = int((idx >= 0).sum(-1).float().mean().item())
+        self.attended = -1  # counted from last_idx when a report asks (no device sync per step)
+        return self.attend_selected(call, idx)
+
+    def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        """(B, H_q, 1, D) attention over the selected positions ``idx`` (B, H_kv, N)."""
         from kvpass.lowering.dispatch import sparse_attention
 
         out = sparse_attention(
@@ -178,6 +183,12 @@ class SiteState:
     def metadata_bytes(self) -> int:
         return 0
 
+    def tokens_attended(self) -> int:
+        """Tokens attended at the last step (mean over batch rows and KV heads)."""
+        if self.attended < 0 and self.last_idx is not None:
+            self.attended = round(float((self.last_idx >= 0).sum(-1).float().mean()))
+        return max(self.attended, 0)
+
     def row(self) -> dict[str, Any]:
         return {
             "site": self.info.site,
@@ -187,7 +198,7 @@ class SiteState:
             "policy": self.policy.name,
             "tokens_logical": self.length,
             "tokens_held": self.physical,
-            "tokens_attended": self.attended,
+            "tokens_attended": self.tokens_attended(),
             "device_bytes": self.kv_bytes + self.metadata_bytes(),
             "host_bytes": 0,
             "prefill_calls": self.prefill_calls,

@@ -33,6 +33,8 @@ def stub_rows(t: torch.Tensor) -> torch.Tensor | None:
     if t.dim() != 4 or t.shape[2] == 0:
         return None
     rows = t[:, 0, 0, 0]
+    if t.stride(2) == 0 and t.shape[0] == 1:
+        return rows.long()  # the common decode step: one row, nothing to verify per element
     if t.stride(2) != 0:
         if not bool((t == rows.view(-1, 1, 1, 1)).all()):
             return None
@@ -64,10 +66,16 @@ class OwnedKV:
     def _reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
         if self.k is not None and self.k.shape[2] >= need and self.k.shape[:2] == like_k.shape[:2]:
             return
-        cap = need + self.SLACK if self.k is None else max(need, int(self.k.shape[2] * self.GROWTH))
+        if self.k is None or self.length == 0:
+            cap = need + self.SLACK  # a new sequence: room for decoding, no growth factor
+        else:
+            cap = max(need, int(self.k.shape[2] * self.GROWTH))
         b, h, _, dk = like_k.shape
-        k = like_k.new_empty((b, h, cap, dk))
-        v = like_v.new_empty((b, h, cap, like_v.shape[3]))
+        cap = -(-cap // 64) * 64  # whole pages for page-granular policies (page sizes dividing 64)
+        # zeros, not empty: page-granular gathers read the unwritten tail of the last page (masked,
+        # but 0 * NaN would still be NaN)
+        k = like_k.new_zeros((b, h, cap, dk))
+        v = like_v.new_zeros((b, h, cap, like_v.shape[3]))
         if self.k is not None and self.length and self.k.shape[:2] == like_k.shape[:2]:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
@@ -103,7 +111,9 @@ class OwnedKV:
                     f"kvpass: the model's cache says {past} tokens but this backend holds {self.length}; "
                     "a cache produced by another backend or model cannot be continued here"
                 )
-            if rows.shape[0] != self.k.shape[0] or not torch.equal(rows, torch.arange(rows.shape[0], device=rows.device)):
+            if rows.shape[0] != self.k.shape[0] or (
+                rows.shape[0] > 1 and not torch.equal(rows, torch.arange(rows.shape[0], device=rows.device))
+            ):
                 if int(rows.min()) < 0 or int(rows.max()) >= self.k.shape[0]:
                     raise KVPassError("kvpass: the cache rows were changed in a way kvpass cannot follow")
                 # beam search reordered (or expanded) the batch between steps
