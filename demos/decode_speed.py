@@ -94,6 +94,20 @@ class StepTimer(BaseStreamer):
         pass
 
 
+class _Tee:
+    """stdout that also keeps what was printed (for --markdown)."""
+
+    def __init__(self, stream):
+        self.stream, self.lines = stream, []
+
+    def write(self, text):
+        self.lines.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
 def build_prompt(tokenizer, n_tokens: int) -> torch.Tensor:
     import pydoc_data.topics as topics
 
@@ -272,7 +286,11 @@ def main(argv=None) -> int:
                     help="run torch.profiler over this many extra decode steps after the timed ones")
     ap.add_argument("--profile-dir", default=None, help="write each configuration's profile table here")
     ap.add_argument("--json", default=None, metavar="PATH", help="write all numbers to PATH")
+    ap.add_argument("--markdown", default=None, metavar="PATH",
+                    help="also write what this run prints to PATH as a markdown page (docs/performance.md)")
     args = ap.parse_args(argv)
+    if args.markdown:
+        sys.stdout = _Tee(sys.stdout)
 
     if args.profile_steps:
         torch._inductor.config.cpp.enable_kernel_profile = True  # name each generated C++ kernel
@@ -370,6 +388,15 @@ def main(argv=None) -> int:
               f"{by['inductor']['compile_s']:.1f} s")
     print(f"total {total:.0f} s")
 
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(
+                "# Decode speed (generated)\n\n"
+                "Written by `demos/decode_speed.py --markdown`; do not edit by hand. Regenerate with the "
+                "command on the first line below (on a quiet machine: other processes on the 2 cores "
+                "distort every number).\n\n```\n" + "".join(sys.stdout.lines) + "```\n"
+            )
+        print(f"wrote {args.markdown}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": cmd, "machine": machine, "args": vars(args), "rows": rows,

@@ -110,8 +110,11 @@ class KVPassBackend:
                 lines.append(f"  left exact: {r['module']}: {r['reason']}")
         return "\n".join(lines)
 
-    def reset(self) -> None:
-        """Forget every site's sequence state (a new prefill does this by itself)."""
+    def clear_state(self) -> None:
+        """Forget every site's sequence state (a new prefill does this by itself).
+
+        Not named ``reset``: ``torch._dynamo.reset()`` calls ``reset()`` on every backend it knows,
+        and the statistics in ``report()`` should outlive a dynamo reset."""
         self.runtime.reset()
 
     def __repr__(self) -> str:

@@ -174,3 +174,11 @@ def test_module_compile_works_too():
         model._compiled_call_impl = None
     assert torch.equal(out, ref)
     assert [r["decode_calls"] for r in be.report_rows()] == [3, 3]
+
+
+def test_report_survives_dynamo_reset():
+    model = tiny_llama(layers=2)
+    be = kvpass(Quest(budget=16, page_size=4))
+    generate(model, prompt(40), new_tokens=3, backend=be)
+    torch._dynamo.reset()  # calls reset() on the backends it knows
+    assert all(r["tokens_logical"] == 42 and r["tokens_attended"] > 0 for r in be.report_rows())

@@ -1,0 +1,1 @@
+"""Benchmarks for kvpass: long-context tasks generated offline (``kvpass.bench.tasks``)."""
