@@ -110,6 +110,22 @@ class KVPassBackend:
                 lines.append(f"  left exact: {r['module']}: {r['reason']}")
         return "\n".join(lines)
 
+    def set_policy(self, policy: Policy) -> None:
+        """Swap the policy without recompiling, for sweeps over budgets or between selection
+        policies. Only policies with the same ``graph_key()`` (the same rewritten graph) can be
+        swapped; every site's state starts afresh."""
+        if not isinstance(policy, Policy):
+            raise TypeError(f"kvpass: set_policy needs a Policy, got {type(policy).__name__}")
+        if policy.graph_key() != self.policy.graph_key():
+            raise KVPassError(
+                f"kvpass: {policy.describe()} rewrites the graph differently from {self.policy.describe()}; "
+                f"compile with a new kvpass({policy.name}(...)) backend instead"
+            )
+        with self.runtime._lock:
+            self.policy = policy
+            self.runtime.policy = policy
+            self.runtime.sites.clear()
+
     def clear_state(self) -> None:
         """Forget every site's sequence state (a new prefill does this by itself).
 

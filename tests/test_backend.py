@@ -182,3 +182,40 @@ def test_report_survives_dynamo_reset():
     generate(model, prompt(40), new_tokens=3, backend=be)
     torch._dynamo.reset()  # calls reset() on the backends it knows
     assert all(r["tokens_logical"] == 42 and r["tokens_attended"] > 0 for r in be.report_rows())
+
+
+def test_set_policy_swaps_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(layers=2)
+    ids = prompt(60)
+    policies = [Full(), Quest(budget=16, page_size=4), StreamingLLM(sinks=2, window=8)]
+    refs = []
+    for p in policies:
+        torch._dynamo.reset()
+        refs.append(generate(model, ids, new_tokens=4, backend=kvpass(p)))
+    torch._dynamo.reset()
+    be = kvpass(Full())
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        outs = []
+        for p in policies:
+            be.set_policy(p)
+            graphs = counters["stats"]["unique_graphs"]
+            outs.append(model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False))
+            if outs[1:]:
+                assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+    finally:
+        model.forward = fwd
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    assert [r["policy"] for r in be.report_rows()] == ["StreamingLLM", "StreamingLLM"]
+
+
+def test_set_policy_refuses_a_different_graph():
+    class Other(Quest):
+        def graph_key(self):
+            return "other"
+
+    with pytest.raises(KVPassError, match="rewrites the graph differently"):
+        kvpass(Full()).set_policy(Other())

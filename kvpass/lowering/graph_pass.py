@@ -67,7 +67,8 @@ class KVPassGraphPass(CustomGraphPass):
 
     def uuid(self) -> str:
         # Pass code + every policy parameter + the backend's handle: two policies (or two backends,
-        # whose graphs carry different handles) never share compiled code.
+        # whose graphs carry different handles) never share compiled code. (set_policy swaps within
+        # one backend only between policies that compile to the same graph.)
         h = hashlib.sha256(get_hash_for_files(_PASS_FILES))
         h.update(self._key.encode())
         h.update(str(self._handle).encode())

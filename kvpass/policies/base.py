@@ -48,6 +48,13 @@ class Policy:
         """A stable string naming the policy and every parameter (part of the graph pass's uuid)."""
         return json.dumps({"name": self.name, **self.params()}, sort_keys=True, default=str)
 
+    def graph_key(self) -> str:
+        """What of this policy shapes the rewritten graph. Selection policies all compile to the same
+        ops (their parameters only matter at run time), so a backend may swap between them without
+        recompiling (``KVPassBackend.set_policy``). A policy that inserts graph structure of its
+        own overrides this with its class and the parameters that structure depends on."""
+        return "kvpass::attention"
+
     def describe(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"

@@ -124,6 +124,7 @@ class SiteState:
         self.policy = policy
         self.info = info
         self.store = OwnedKV()  # used when the pass gave this site's cache to the runtime
+        self.probe = None  # measurement hook (kvpass.bench): called at decode steps with the selection
         self.prefill_calls = 0
         self.decode_calls = 0
         self.reset()
@@ -158,6 +159,8 @@ class SiteState:
         self.decode_calls += 1
         idx = self.select(call)
         self.last_idx = idx
+        if self.probe is not None:
+            self.probe(self, call, idx)
         if idx is None:
             self.attended = call.length
             return call.exact()
@@ -213,6 +216,7 @@ class Runtime:
         self.policy = policy
         self.sites: dict[int, SiteState] = {}
         self.infos: dict[int, SiteInfo] = {}
+        self.probe = None
         self._lock = threading.Lock()
         self.handle = registry.register(self)
 
@@ -225,7 +229,15 @@ class Runtime:
         st = self.sites.get(site)
         if st is None:
             st = self.sites[site] = self.policy.new_state(self.info(site))
+            st.probe = self.probe
         return st
+
+    def set_probe(self, probe) -> None:
+        """``probe(state, call, idx)`` runs at every decode step before attention (None: off)."""
+        with self._lock:
+            self.probe = probe
+            for st in self.sites.values():
+                st.probe = probe
 
     def attend(
         self,
