@@ -155,3 +155,19 @@ def test_every_sdpa_flavour_is_matched(name):
     assert not unmatched
     (site,) = sites
     assert site.layer == 5 and site.pattern.startswith("P1 cat") and site.own is not None
+
+
+def test_sliding_window_layer_is_left_exact_with_reason():
+    from kvpass.patterns.attention import SDPA_TARGETS, find_sites
+
+    target = next(t for t, n in SDPA_TARGETS.items() if n == "sdpa_flash_cpu")
+    g = _synthetic_graph(target)
+    aten = torch.ops.aten
+    out = next(n for n in g.nodes if n.op == "output")
+    ck, cv, res = out.args[0]
+    with g.inserting_before(out):
+        kept = [g.call_function(aten.slice.Tensor, (c, 2, -4, 9223372036854775807)) for c in (ck, cv)]
+    out.args = ((kept[0], kept[1], res),)
+    sites, unmatched = find_sites(g)
+    assert not sites
+    assert "sliding-window" in unmatched[0].reason and unmatched[0].layer == 5

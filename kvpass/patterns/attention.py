@@ -139,6 +139,14 @@ def _is_seq_slice(node: fx.Node) -> bool:
     return dim in (2, -2) and start == 0 and step == 1
 
 
+def _is_window_slice(node: fx.Node) -> bool:
+    """``x[:, :, -W:]``: what a sliding-window cache keeps of its concatenated keys."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * 5
+    return args[1] in (2, -2) and isinstance(args[2], int) and args[2] < 0
+
+
 def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.Node | None, str, tuple | None]:
     """Classify the node holding the cache. Returns (pattern, cache_position node, reason,
     (new, past, stored) when the runtime could own this cache, else None)."""
@@ -148,6 +156,11 @@ def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.
         tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
         ndim = len(_shape(node))
         if len(tensors) == 2 and dim in (ndim - 2, -2) and tensors[0].op == "placeholder":
+            if node not in outputs and any(_is_window_slice(u) and u in outputs for u in node.users):
+                return None, None, (
+                    "a sliding-window cache layer (it keeps only the last tokens): left exact, as only "
+                    "global-attention layers are compressed"
+                ), None
             own = (tensors[1], tensors[0], node) if node in outputs and not sliced else None
             return "P1 cat", None, "", own
         return None, None, "a cat that is not a cache update (expected cat([past_cache, new], dim=-2))", None
