@@ -1,0 +1,58 @@
+"""Kernel micro-benchmarks (kvpass.bench.kernels): fields, positive times, like-for-like comparison."""
+
+import time
+
+import torch
+
+from kvpass.bench.kernels import QUICK_SHAPES, Shape, benchmark_kernels, format_table, sparse_and_dense
+
+FIELDS = {"kernel", "shape", "B", "H_q", "H_kv", "D", "S", "N", "dtype", "device", "impl", "ms", "baseline",
+          "baseline_ms", "speedup", "bytes", "gbps", "baseline_bytes", "baseline_gbps"}
+
+
+def test_quick_cpu_benchmark_rows():
+    start = time.perf_counter()
+    rows = benchmark_kernels("cpu", quick=True)
+    assert time.perf_counter() - start < 30
+    assert len(rows) == 2 * len(QUICK_SHAPES)
+    assert {r["kernel"] for r in rows} == {"sparse_decode_attention", "quest_page_scores"}
+    for r in rows:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
+        assert r["device"] == "cpu" and r["impl"] == "torch ref"
+    assert "sparse_decode_attention" in format_table(rows)
+
+
+def test_sparse_and_dense_agree_when_idx_covers_everything():
+    for s in (Shape("gqa", 1, 8, 2, 32, 300, 300), Shape("smollm2", 2, 9, 3, 64, 64, 64)):
+        sparse, dense, (q, k, v, idx) = sparse_and_dense(s, "cpu", torch.float32, idx_all=True)
+        assert idx.shape == (s.B, s.H_kv, s.S)
+        out_s, out_d = sparse(), dense()
+        assert out_s.shape == out_d.shape == (s.B, s.H_q, s.D)
+        torch.testing.assert_close(out_s, out_d, rtol=1e-4, atol=1e-5)
+
+
+def test_quest_rows_compare_the_same_scores():
+    from kvpass.bench.kernels import _quest_broadcast, _quest_inputs
+    from kvpass.kernels.quest import quest_page_scores_ref
+
+    q, kmin, kmax = _quest_inputs(QUICK_SHAPES[0], "cpu", torch.float32)
+    torch.testing.assert_close(quest_page_scores_ref(q, kmin, kmax), _quest_broadcast(q, kmin, kmax),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_peak_bandwidth_sources(monkeypatch):
+    from types import SimpleNamespace
+
+    import kvpass.bench.kernels as kb
+
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", memory_clock_rate=2_619_000, memory_bus_width=5120)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=0: props)
+    peak, how = kb.peak_bandwidth(0)
+    assert abs(peak - 3.352e12) < 1e10 and "torch props" in how  # H100 SXM: 3.35 TB/s
+    props = SimpleNamespace(name="NVIDIA H200", memory_clock_rate=0, memory_bus_width=0)
+    monkeypatch.setattr(kb.shutil, "which", lambda name: None)  # no nvidia-smi: the datasheet table
+    peak, how = kb.peak_bandwidth(0)
+    assert peak == 4.8e12 and "assumed" in how
+    props = SimpleNamespace(name="Some GPU", memory_clock_rate=0, memory_bus_width=0)
+    assert kb.peak_bandwidth(0)[0] is None
