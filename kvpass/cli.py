@@ -27,6 +27,7 @@ __all__ = ["main", "build_parser", "parse_policy", "add_policy_arguments", "poli
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "kvpass.demo", "find a fact hidden in a long prompt with Full and a compressed policy; "
                             "compare answers, memory and decode speed (loads the bundled SmolLM2)"),
+    ("bench", "kvpass.bench.cli", "sweep policies x budgets on long-context tasks (resumable); table, plots"),
     ("explain", "kvpass.explain", "show which attention sites the graph pass rewrote, which it left "
                                   "exact and why; optionally dump the rewritten graphs"),
 ]

@@ -1,0 +1,205 @@
+"""kvpass bench: accuracy, attention recall, decode speed and memory of policies × budgets on long-context tasks.
+
+Sweeps every non-Full policy of ``--policies`` over every budget of ``--budgets`` (through each class's
+``with_budget``), against ``Full``, on generated RULER-style tasks (``kvpass.bench.tasks``) at each
+context of ``--contexts``, with ONE compiled model (policies are swapped with ``set_policy``). Rows go
+to ``OUT/results.jsonl`` as cells finish (a rerun skips finished cells); then the table is printed and,
+with ``--results-md``, a page with the table and plots is written.
+
+``--quick``: contexts 2048,4096, budgets 256,1024, tasks single_needle,multi_key_needle,
+variable_tracking, 1 sample: 30 cells. Measured: 10.5 min on 2 cores with ``--threads 1`` while another
+process held one core (compile 146 s, 2k cells ~10 s, 4k cells ~21 s); less on idle cores. ``--model tiny``: a random
+2-layer Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (structure only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QUICK = {
+    "contexts": "2048,4096",
+    "budgets": "256,1024",
+    "tasks": "single_needle,multi_key_needle,variable_tracking",
+    "samples": 1,
+}
+DEFAULTS = {
+    "contexts": "4096,8192",
+    "budgets": "256,512,1024,2048",
+    "tasks": None,  # every task
+    "samples": 2,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policies", default="Full,StreamingLLM,Quest", metavar="SPECS",
+                   help="comma-separated policy specs, e.g. \"Full,StreamingLLM,Quest(page_size=32)\"; "
+                        "each non-Full one is swept over --budgets (default: %(default)s)")
+    p.add_argument("--budgets", default=None, metavar="N,N",
+                   help=f"token budgets (default {DEFAULTS['budgets']}; --quick: {QUICK['budgets']})")
+    p.add_argument("--contexts", default=None, metavar="N,N",
+                   help=f"prompt sizes in tokens, capped to fit the model's positions with the new tokens "
+                        f"(default {DEFAULTS['contexts']}; --quick: {QUICK['contexts']})")
+    p.add_argument("--tasks", default=None, metavar="T,T",
+                   help=f"tasks of kvpass.bench.tasks (default: all; --quick: {QUICK['tasks']})")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help=f"samples (seeds) per task and context (default {DEFAULTS['samples']}; --quick: 1)")
+    p.add_argument("--seed", type=int, default=0, help="first sample seed (default 0)")
+    p.add_argument("--haystack", default="prose", choices=["prose", "filler"], help="default: prose")
+    p.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                   help="tokens to generate per cell (default: per task, 16 for needles, up to 48 for lists)")
+    p.add_argument("--recall-every", type=int, default=8, metavar="N",
+                   help="measure attention recall every N-th decode step (default 8)")
+    p.add_argument("--out", default="bench_out", metavar="DIR", help="results folder (default: %(default)s)")
+    p.add_argument("--results-md", default=None, metavar="PATH",
+                   help="also write a generated page (table, plots in PATH's stem folder next to it)")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                   help="smollm2 (the bundled SmolLM2-135M-Instruct) or tiny (random 2-layer Llama with "
+                        "SmolLM2's tokenizer: structure only)")
+    p.add_argument("--quick", action="store_true", help="a preset that finishes in under 10 minutes on 2 cores")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or per-cell lines")
+
+
+def split_specs(text: str) -> list[str]:
+    """Split ``"Full,Quest(budget=1, page_size=2)"`` on the commas outside parentheses."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur).strip())
+    return [s for s in out if s]
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"kvpass: --{what} needs comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"kvpass: --{what} needs positive integers, got {text!r}")
+    return vals
+
+
+def build_policies(specs: str, budgets: list[int]):
+    """Full plus every non-Full spec × every budget (``parse_policy(spec, budget=b)``)."""
+    from kvpass.cli import parse_policy
+    from kvpass.policies.full import Full
+
+    out = [Full()]
+    for spec in split_specs(specs):
+        p = parse_policy(spec)
+        if isinstance(p, Full):
+            continue
+        for b in budgets:
+            q = parse_policy(spec, budget=b)
+            if q not in out:
+                out.append(q)
+    return out
+
+
+def tiny_model(vocab_size: int, seed: int = 0):
+    """A random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, 8192 positions) for structure checks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        attn_implementation="sdpa", eos_token_id=None,
+    )
+    cfg._name_or_path = "tiny"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def load_model(name: str):
+    """``(model, tokenizer, model_name)`` for ``--model``."""
+    from kvpass.models import load_smollm2, smollm2_cache_path
+
+    first = not (smollm2_cache_path() / "kvpass.json").exists()
+    model, tok = load_smollm2(progress=first)
+    if name == "tiny":
+        del model
+        return tiny_model(len(tok)), tok, "tiny"
+    return model, tok, "SmolLM2-135M-Instruct"
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command as typed when run as the ``kvpass`` script; otherwise (``main([...])`` in-process)
+    the equivalent command rebuilt from the parsed options."""
+    if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
+        return shlex.join(["kvpass"] + sys.argv[1:])
+    parts = ["kvpass", "bench", "--model", args.model, "--policies", args.policies]
+    for opt in ("budgets", "contexts", "tasks", "samples", "new_tokens", "threads", "results_md"):
+        v = getattr(args, opt)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    if args.seed:
+        parts += ["--seed", str(args.seed)]
+    if args.haystack != "prose":
+        parts += ["--haystack", args.haystack]
+    if args.recall_every != 8:
+        parts += ["--recall-every", str(args.recall_every)]
+    if args.quick:
+        parts.append("--quick")
+    parts += ["--out", str(args.out)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpass.bench.report import markdown_table, write_results_md
+    from kvpass.bench.runner import RESULTS, load_results, run_grid
+    from kvpass.bench.tasks import all_tasks
+
+    preset = QUICK if args.quick else DEFAULTS
+    contexts = _ints(args.contexts or preset["contexts"], "contexts")
+    budgets = _ints(args.budgets or preset["budgets"], "budgets")
+    tasks_arg = args.tasks or preset["tasks"]
+    tasks = [t.strip() for t in tasks_arg.split(",") if t.strip()] if tasks_arg else all_tasks()
+    bad = [t for t in tasks if t not in all_tasks()]
+    if bad:
+        raise ValueError(f"kvpass: unknown task(s) {bad}; expected some of {all_tasks()}")
+    samples = args.samples if args.samples is not None else preset["samples"]
+    if samples < 1:
+        raise ValueError(f"kvpass: --samples needs a positive number, got {samples}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
+    if args.new_tokens is not None and args.new_tokens < 2:
+        raise ValueError(f"kvpass: --new-tokens needs at least 2, got {args.new_tokens}")
+    policies = build_policies(args.policies, budgets)  # before the slow load: bad specs fail at once
+    command = _command(args)
+    out = Path(args.out)
+
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        model, tok, model_name = load_model(args.model)
+        run_grid(model, tok, policies, contexts, tasks, samples, out, seed=args.seed,
+                 new_tokens=args.new_tokens, recall_every=args.recall_every, haystack=args.haystack,
+                 progress=not args.no_progress, model_name=model_name, command=command)
+    finally:
+        torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
+    rows = load_results(out / RESULTS)
+    print()
+    print(markdown_table(rows))
+    if args.results_md:
+        page = write_results_md(out, Path(args.results_md), command)
+        print(f"\nkvpass bench: wrote {page}")
+    print(f"kvpass bench: {len(rows)} cells in {out / RESULTS}; this run took {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    return 0
