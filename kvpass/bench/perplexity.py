@@ -50,19 +50,9 @@ def topics_text() -> str:
 
 def split_policies(text: str) -> list[str]:
     """Split ``"Full,Quest(budget=256, page_size=16)"`` on the commas outside parentheses."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur).strip())
-    return [p for p in parts if p]
+    from kvpass.bench.cli import split_specs
+
+    return split_specs(text)
 
 
 def _nll(logits: torch.Tensor, target: torch.Tensor) -> float:
