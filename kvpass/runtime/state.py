@@ -112,6 +112,15 @@ def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor
     return valid
 
 
+def _make_call(q, k, v, attn_mask, scale, is_causal, length, start=-1) -> AttentionCall:
+    if scale <= 0:
+        scale = 1.0 / math.sqrt(q.shape[-1])  # the op's encoding of "SDPA's default scale"
+    return AttentionCall(
+        q=q, k=k, v=v, attn_mask=attn_mask, scale=scale, is_causal=is_causal, length=length,
+        valid=valid_from_mask(attn_mask, length), start=start,
+    )
+
+
 class SiteState:
     """State of one attention site. The base class is the Full policy: exact attention, no metadata.
 
@@ -254,18 +263,7 @@ class Runtime:
         if cache_position is not None:
             # A static cache is a preallocated buffer: the logical end is the last written slot.
             length = min(length, int(cache_position[-1].item()) + 1)
-        if scale <= 0:
-            scale = 1.0 / math.sqrt(q.shape[-1])
-        call = AttentionCall(
-            q=q,
-            k=k,
-            v=v,
-            attn_mask=attn_mask,
-            scale=scale,
-            is_causal=is_causal,
-            length=length,
-            valid=valid_from_mask(attn_mask, length),
-        )
+        call = _make_call(q, k, v, attn_mask, scale, is_causal, length)
         with self._lock:
             return self.state(site).forward(call)
 
@@ -283,24 +281,13 @@ class Runtime:
     ) -> torch.Tensor:
         """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
-        if scale <= 0:
-            scale = 1.0 / math.sqrt(q.shape[-1])
         with self._lock:
             st = self.state(site)
             rebuilt = st.store.append(past_k, past_v, k_new, v_new)
             k, v = st.store.views()
             length = k.shape[2]
-            call = AttentionCall(
-                q=q,
-                k=k,
-                v=v,
-                attn_mask=attn_mask,
-                scale=scale,
-                is_causal=is_causal,
-                length=length,
-                valid=valid_from_mask(attn_mask, length),
-                start=0 if rebuilt else length - k_new.shape[2],
-            )
+            start = 0 if rebuilt else length - k_new.shape[2]
+            call = _make_call(q, k, v, attn_mask, scale, is_causal, length, start)
             return st.forward(call, owned=True)
 
     def reset(self) -> None:
