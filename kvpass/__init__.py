@@ -9,7 +9,7 @@ time a backend is built.
 """
 
 from kvpass.api import KVPassBackend, KVPassError, kvpass
-from kvpass.policies import Full, Policy, Quest, StreamingLLM, policy_from_dict
+from kvpass.policies import CentroidKV, ClusterKV, Full, Policy, Quest, StreamingLLM, policy_from_dict
 
 __all__ = [
     "kvpass",
@@ -19,6 +19,8 @@ __all__ = [
     "Full",
     "StreamingLLM",
     "Quest",
+    "ClusterKV",
+    "CentroidKV",
     "policy_from_dict",
 ]
 __version__ = "0.1.0"

@@ -101,7 +101,7 @@ class KVPassBackend:
         if not rows:
             return head + "\n  no attention site found yet (has the compiled model run?)"
         cols = ["layer", "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
-                "device_bytes", "host_bytes", "prefill_calls", "decode_calls"]
+                "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
         table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         lines = [head] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
@@ -121,10 +121,8 @@ class KVPassBackend:
                 f"kvpass: {policy.describe()} rewrites the graph differently from {self.policy.describe()}; "
                 f"compile with a new kvpass({policy.name}(...)) backend instead"
             )
-        with self.runtime._lock:
-            self.policy = policy
-            self.runtime.policy = policy
-            self.runtime.sites.clear()
+        self.policy = policy
+        self.runtime.set_policy(policy)
 
     def clear_state(self) -> None:
         """Forget every site's sequence state (a new prefill does this by itself).

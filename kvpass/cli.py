@@ -190,6 +190,8 @@ def parse_policy(text: str, budget: int | None = None) -> Policy:
     if budget is not None:
         if "budget" in fields:
             kwargs["budget"] = budget
+            if "cache_ratio" in fields:
+                kwargs["cache_ratio"] = None  # a token budget replaces a ratio budget
         elif hasattr(cls, "with_budget"):
             try:
                 return cls.with_budget(budget, **kwargs)

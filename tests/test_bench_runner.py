@@ -8,13 +8,15 @@ rerun that must skip every cell, then the table, the plots and the generated pag
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
 
+from kvpass import CentroidKV, ClusterKV
 from kvpass.bench.cli import build_policies, split_specs
 from kvpass.bench.report import markdown_table
-from kvpass.bench.runner import RESULTS, load_results
+from kvpass.bench.runner import KERNELS, PERPLEXITY, RESULTS, load_results
 from kvpass.cli import main
 
 FIELDS = {
@@ -22,6 +24,8 @@ FIELDS = {
     "sample", "seed", "haystack", "new_tokens", "accuracy", "output", "answers", "prefill_s", "decode_ms",
     "tokens_held", "tokens_attended", "device_bytes", "host_bytes", "sites", "left_exact", "recall",
     "recall_per_layer", "peak_rss_bytes", "graphs_compiled", "machine", "command", "finished",
+    "bytes_moved", "bytes_moved_per_step", "overhead_prefill_s", "overhead_decode_s", "overhead_prefill_share",
+    "overhead_decode_share", "decode_steps",
 }
 
 
@@ -41,14 +45,20 @@ def test_bench_tiny_end_to_end(smollm2, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVPASS_CACHE", str(smollm2.cache_dir))
     out = tmp_path / "out"
     page = tmp_path / "docs" / "results.md"
-    argv = ["bench", "--model", "tiny", "--out", str(out), "--contexts", "300", "--budgets", "128",
+    argv = ["bench", "--model", "tiny", "--out", str(out), "--contexts", "300", "--budgets", "160",
+            "--policies", "Full,StreamingLLM,Quest,ClusterKV(dense_layers=(0,)),CentroidKV,"
+                          "ClusterKV(offload=True, dense_layers=(0,), budget=160)",
             "--tasks", "single_needle,variable_tracking", "--samples", "1", "--threads", "2",
-            "--results-md", str(page)]
+            "--results-md", str(page), "--perplexity", "200", "--ppl-eval-tokens", "12", "--quick"]
     assert main(argv) == 0
     rows = load_results(out / RESULTS)
-    policies = ["Full()", "StreamingLLM(sinks=4, window=124)", "Quest(budget=128, page_size=16, gqa='sum')"]
-    assert len(rows) == 2 * len(policies)  # one row per cell
-    assert [r["policy"] for r in rows[:3]] == policies  # Full first for each (context, task, sample)
+    policies = ["Full()", "StreamingLLM(sinks=4, window=156)", "Quest(budget=160, page_size=16, gqa='sum')",
+                ClusterKV(budget=160, dense_layers=(0,)).describe(), CentroidKV.with_budget(160).describe()]
+    offload = ClusterKV(budget=160, dense_layers=(0,), offload=True).describe()
+    assert len(rows) == 2 * (len(policies) + 1)  # one row per cell
+    # the policy with its own graph (fetch ops) runs first, on its own backend; then Full first for each
+    # (context, task, sample) and the policies that share its graph
+    assert [r["policy"] for r in rows] == [offload] * 2 + policies * 2
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["model"] == "tiny" and r["context"] == 300 and r["sites"] == 2 and r["left_exact"] == 0
@@ -56,28 +66,47 @@ def test_bench_tiny_end_to_end(smollm2, tmp_path, monkeypatch, capsys):
         assert 0.0 <= r["accuracy"] <= 1.0
         assert r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["device_bytes"] > 0
         assert r["new_tokens"] == (32 if r["task"] == "single_needle" else 48)
-        assert set(r["recall_per_layer"]) == {"0", "1"}
+        assert set(r["recall_per_layer"]) == (set() if r["policy_name"] == "CentroidKV" else {"0", "1"})
         assert r["machine"]["threads"] == 2 and r["machine"]["torch"]
         assert "--model tiny" in r["command"]
+        assert r["decode_steps"] == r["new_tokens"] - 1
+        assert 0 <= r["overhead_prefill_share"] < 1 and 0 <= r["overhead_decode_share"] < 1
+        assert (r["bytes_moved"] > 0) == (r["policy"] == offload)  # only offload moves bytes between tiers
         if r["policy"] == "Full()":
             assert r["recall"]["mass"] == pytest.approx(1.0)
             assert r["tokens_attended"] == r["tokens_held"]
+        elif r["policy_name"] == "CentroidKV":
+            assert r["tokens_held"] <= 160 * r["sites"] and math.isnan(r["recall"]["mass"])  # merged: no recall
         else:
-            assert r["recall"]["mass"] < 1.0  # 128 of ~330 tokens attended
+            assert r["recall"]["mass"] < 1.0  # 160 of ~330 tokens attended
             assert r["tokens_attended"] < r["tokens_held"]
+        if r["policy"] == offload:
+            assert r["host_bytes"] > 0 and r["bytes_moved_per_step"] > 0
+
+    # Perplexity: every policy of the grid at the window, Full first as the reference.
+    ppl = load_results(out / PERPLEXITY)
+    assert [r["policy"] for r in ppl] == policies + [offload]
+    assert all(r["window"] == 200 and r["eval_tokens"] == 12 and r["ppl"] > 1 for r in ppl)
+    assert ppl[0]["delta"] == 0.0
+    # Kernel micro-benchmarks: each op against its dense counterpart.
+    kern = load_results(out / KERNELS)
+    assert {r["kernel"] for r in kern} >= {"sparse_decode_attention", "quest_page_scores"}
+    assert all(r["ms"] > 0 and r["baseline_ms"] > 0 for r in kern)
 
     # A rerun skips every finished cell: no new rows, no compile.
     start = time.perf_counter()
     assert main(argv) == 0
     assert time.perf_counter() - start < 15
     assert len(load_results(out / RESULTS)) == len(rows)
+    assert len(load_results(out / PERPLEXITY)) == len(ppl)
     assert "already in" in capsys.readouterr().out
 
     # The table: Full's accuracy next to every compressed figure, tiny marked structure-only.
     table = markdown_table(rows)
     assert "structure only" in table
-    lines = [ln for ln in table.splitlines() if ln.startswith("| Quest") or ln.startswith("| StreamingLLM")]
-    assert len(lines) == 2
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| Full")
+             and not ln.startswith("| policy")]
+    assert len(lines) == 5
     for ln in lines:
         assert ln.count("(Full ") == 2  # one per (context, task) column
 
@@ -92,6 +121,8 @@ def test_bench_tiny_end_to_end(smollm2, tmp_path, monkeypatch, capsys):
     assert rows[0]["command"] in text
     assert "](results/tiny_recall_per_layer.png)" in text
     assert "torch " in text and "transformers " in text
+    assert "## Perplexity" in text and "## Kernel micro-benchmarks" in text
+    assert "policy overhead" in text
 
 
 def test_results_jsonl_ignores_a_torn_line(tmp_path):

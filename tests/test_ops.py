@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from kvpass import Full, Quest, StreamingLLM, kvpass
+from kvpass import CentroidKV, ClusterKV, Full, Quest, StreamingLLM, kvpass
 
 
 def _args(handle, b=1, hq=4, hkv=2, t=1, s=40, d=16, mask=False, static=False, dtype=torch.float32):
@@ -59,3 +59,27 @@ def test_dead_backend_is_a_clear_error_and_state_is_freed():
     gc.collect()
     with pytest.raises(RuntimeError, match="no longer exists"):
         torch.ops.kvpass.attention(*args)
+
+
+@pytest.mark.parametrize("policy", [Full(), CentroidKV(cache_ratio=0.5, sinks=2, recent=4, chunk=8, step=4),
+                                    ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, dense_layers=(), offload=True)])
+def test_opcheck_owned_ops_and_fetch(policy):
+    from kvpass.runtime.store import make_stub
+
+    be = kvpass(policy)
+    h = be.runtime.handle
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 30, 16, generator=g)
+    k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    # a prefill (no past): the op may be called repeatedly on the same inputs, each call restarts
+    torch.library.opcheck(torch.ops.kvpass.attention_owned.default, (q, k, v, None, None, None, 0.0, True, h, 0))
+    stub = torch.ops.kvpass.cache_stub(k, None)
+    assert stub.shape == k.shape and stub.stride(2) == 0
+    torch.library.opcheck(torch.ops.kvpass.cache_stub.default, (k, None))
+    q1 = torch.randn(1, 4, 1, 16, generator=g)
+    past = make_stub(k[:, :, :1], 30)
+    torch.library.opcheck(torch.ops.kvpass.fetch.default, (q1, past, h, 0))
+    ticket = torch.ops.kvpass.fetch(q1, past, h, 0)
+    assert ticket.shape == (1,) and ticket.dtype == torch.int64
+    out = torch.ops.kvpass.attention_owned(q1, k[:, :, :1], v[:, :, :1], past, past, None, 0.0, False, h, 0, ticket)
+    assert out.shape == (1, 4, 1, 16) and torch.isfinite(out).all()

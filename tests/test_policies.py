@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpass import Full, KVPassError, Quest, StreamingLLM, kvpass, policy_from_dict
-from kvpass.runtime import Runtime
+from sites import as_sets, attend_oracle, prefill_then_decode
 from tiny import generate, prompt, tiny_llama
 
 
@@ -74,61 +74,16 @@ def _oracle_quest(q, k, budget, page_size, gqa):
     return out
 
 
-def _attend_oracle(q, k, v, sel, scale):
-    """Softmax attention of each query head over its KV head's selected positions."""
-    b_, hq, d = q.shape
-    g = hq // k.shape[1]
-    out = torch.empty(b_, hq, d, dtype=torch.float64)
-    for b in range(b_):
-        for h in range(hq):
-            idx = sorted(sel[b, h // g])
-            s = (k[b, h // g, idx].double() @ q[b, h].double()) * scale
-            out[b, h] = torch.softmax(s, 0) @ v[b, h // g, idx].double()
-    return out
-
-
-def _prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed=0, owned=False):
-    """Drive one site: a prefill, then decode steps; the model's cache (owned=False) or the
-    runtime's own store fed with stubs (owned=True), as the two rewrites do."""
-    from kvpass.runtime.store import make_stub
-
-    torch.manual_seed(seed)
-    rt = Runtime(policy)
-    k = torch.randn(b, hkv, length, d)
-    v = torch.randn(b, hkv, length, d)
-    q = torch.randn(b, hkv * g, length, d)
-    if owned:
-        rt.attend_owned(0, q, k, v, None, None, None, 0.0, True)
-    else:
-        rt.attend(0, q, k, v, None, None, 0.0, True)
-    outs = []
-    for _ in range(steps):
-        kn, vn = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
-        q1 = torch.randn(b, hkv * g, 1, d)
-        if owned:
-            stub = make_stub(kn, k.shape[2])
-            out = rt.attend_owned(0, q1, kn, vn, stub, stub, None, 0.0, False)
-        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
-        if not owned:
-            out = rt.attend(0, q1, k, v, None, None, 0.0, False)
-        outs.append((q1[:, :, 0], k, v, out[:, :, 0], rt.state(0).last_idx))
-    return outs
-
-
-def _as_sets(idx):
-    return {(b, h): {int(t) for t in idx[b, h] if t >= 0} for b in range(idx.shape[0]) for h in range(idx.shape[1])}
-
-
 @pytest.mark.parametrize("owned", [False, True])
 @pytest.mark.parametrize("sinks, window", [(4, 20), (0, 33), (16, 64)])
 def test_streaming_selects_sinks_and_window(sinks, window, owned):
-    for q, k, v, out, idx in _prefill_then_decode(StreamingLLM(sinks=sinks, window=window), owned=owned):
+    for q, k, v, out, idx in prefill_then_decode(StreamingLLM(sinks=sinks, window=window), owned=owned):
         length = k.shape[2]
-        sel = _as_sets(idx)
+        sel = as_sets(idx)
         want = _oracle_streaming(length, sinks, window)
         assert all(s == want for s in sel.values())
         assert all(len(s) == min(sinks + window, length) for s in sel.values())
-        ref = _attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
+        ref = attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -136,17 +91,17 @@ def test_streaming_selects_sinks_and_window(sinks, window, owned):
 @pytest.mark.parametrize("budget, page_size, gqa", [(32, 8, "sum"), (64, 16, "max"), (48, 16, "sum"), (40, 5, "sum")])
 def test_quest_selects_top_pages_and_newest_page(budget, page_size, gqa, owned):
     policy = Quest(budget=budget, page_size=page_size, gqa=gqa)
-    for q, k, v, out, idx in _prefill_then_decode(policy, owned=owned):
-        sel = _as_sets(idx)
+    for q, k, v, out, idx in prefill_then_decode(policy, owned=owned):
+        sel = as_sets(idx)
         assert sel == _oracle_quest(q, k, budget, page_size, gqa)
         assert all(len(s) <= budget and (k.shape[2] - 1) in s for s in sel.values())
-        ref = _attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
+        ref = attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("policy", [Quest(budget=256, page_size=16), StreamingLLM(sinks=4, window=252)])
 def test_budget_covering_context_is_exact(policy):
-    for q, k, v, out, idx in _prefill_then_decode(policy, length=100):
+    for q, k, v, out, idx in prefill_then_decode(policy, length=100):
         assert idx is None  # exact attention, the same call Full makes
 
 

@@ -6,8 +6,12 @@ context of ``--contexts``, with ONE compiled model (policies are swapped with ``
 to ``OUT/results.jsonl`` as cells finish (a rerun skips finished cells); then the table is printed and,
 with ``--results-md``, a page with the table and plots is written.
 
+Then, unless switched off: perplexity of long prose (``--perplexity`` windows, every policy of the
+grid, :mod:`kvpass.bench.perplexity`) into ``OUT/perplexity.jsonl`` and kernel micro-benchmarks
+(:mod:`kvpass.bench.kernels`) into ``OUT/kernels.jsonl``; both appear on the page.
+
 ``--quick``: contexts 2048,4096, budgets 256,1024, tasks single_needle,multi_key_needle,
-variable_tracking, 1 sample: 30 cells. Measured: 10.5 min on 2 cores with ``--threads 1`` while another
+variable_tracking, 1 sample: 30 cells; perplexity at 2048 tokens (64 scored); quick kernel shapes. Measured: 10.5 min on 2 cores with ``--threads 1`` while another
 process held one core (compile 146 s, 2k cells ~10 s, 4k cells ~21 s); less on idle cores. ``--model tiny``: a random
 2-layer Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (structure only).
 """
@@ -15,6 +19,7 @@ process held one core (compile 146 s, 2k cells ~10 s, 4k cells ~21 s); less on i
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import time
@@ -27,17 +32,21 @@ QUICK = {
     "budgets": "256,1024",
     "tasks": "single_needle,multi_key_needle,variable_tracking",
     "samples": 1,
+    "perplexity": "2048",
+    "ppl_eval_tokens": 64,
 }
 DEFAULTS = {
     "contexts": "4096,8192",
     "budgets": "256,512,1024,2048",
     "tasks": None,  # every task
     "samples": 2,
+    "perplexity": "2048,4096,8192",
+    "ppl_eval_tokens": 128,
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", default="Full,StreamingLLM,Quest", metavar="SPECS",
+    p.add_argument("--policies", default="Full,StreamingLLM,Quest,ClusterKV,CentroidKV", metavar="SPECS",
                    help="comma-separated policy specs, e.g. \"Full,StreamingLLM,Quest(page_size=32)\"; "
                         "each non-Full one is swept over --budgets (default: %(default)s)")
     p.add_argument("--budgets", default=None, metavar="N,N",
@@ -55,6 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens to generate per cell (default: per task, 16 for needles, up to 48 for lists)")
     p.add_argument("--recall-every", type=int, default=8, metavar="N",
                    help="measure attention recall every N-th decode step (default 8)")
+    p.add_argument("--perplexity", default=None, metavar="W,W",
+                   help=f"perplexity windows in tokens of pydoc_data.topics prose, every policy of the grid "
+                        f"(default {DEFAULTS['perplexity']}; --quick: {QUICK['perplexity']}; 0: skip)")
+    p.add_argument("--ppl-eval-tokens", type=int, default=None, metavar="N",
+                   help=f"scored tokens at the end of each perplexity window (default "
+                        f"{DEFAULTS['ppl_eval_tokens']}; --quick: {QUICK['ppl_eval_tokens']})")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="kernel micro-benchmarks (each kvpass op vs its dense torch equivalent; quick shapes "
+                        "with --quick) into the results (default: on)")
     p.add_argument("--out", default="bench_out", metavar="DIR", help="results folder (default: %(default)s)")
     p.add_argument("--results-md", default=None, metavar="PATH",
                    help="also write a generated page (table, plots in PATH's stem folder next to it)")
@@ -95,7 +113,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def build_policies(specs: str, budgets: list[int]):
-    """Full plus every non-Full spec × every budget (``parse_policy(spec, budget=b)``)."""
+    """Full plus every non-Full spec × every budget (``parse_policy(spec, budget=b)``); a spec that sets
+    its own ``budget`` or ``cache_ratio`` is taken as it is."""
     from kvpass.cli import parse_policy
     from kvpass.policies.full import Full
 
@@ -103,6 +122,10 @@ def build_policies(specs: str, budgets: list[int]):
     for spec in split_specs(specs):
         p = parse_policy(spec)
         if isinstance(p, Full):
+            continue
+        if re.search(r"\b(budget|cache_ratio)\s*=", spec):
+            if p not in out:
+                out.append(p)  # the spec fixes its own budget: not swept
             continue
         for b in budgets:
             q = parse_policy(spec, budget=b)
@@ -143,7 +166,8 @@ def _command(args: argparse.Namespace) -> str:
     if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return shlex.join(["kvpass"] + sys.argv[1:])
     parts = ["kvpass", "bench", "--model", args.model, "--policies", args.policies]
-    for opt in ("budgets", "contexts", "tasks", "samples", "new_tokens", "threads", "results_md"):
+    for opt in ("budgets", "contexts", "tasks", "samples", "new_tokens", "perplexity", "ppl_eval_tokens",
+                "threads", "results_md"):
         v = getattr(args, opt)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -153,6 +177,8 @@ def _command(args: argparse.Namespace) -> str:
         parts += ["--haystack", args.haystack]
     if args.recall_every != 8:
         parts += ["--recall-every", str(args.recall_every)]
+    if not args.kernels:
+        parts.append("--no-kernels")
     if args.quick:
         parts.append("--quick")
     parts += ["--out", str(args.out)]
@@ -179,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
     if args.new_tokens is not None and args.new_tokens < 2:
         raise ValueError(f"kvpass: --new-tokens needs at least 2, got {args.new_tokens}")
+    ppl_text = args.perplexity if args.perplexity is not None else preset["perplexity"]
+    windows = [] if ppl_text.strip() == "0" else _ints(ppl_text, "perplexity")
+    ppl_eval = args.ppl_eval_tokens if args.ppl_eval_tokens is not None else preset["ppl_eval_tokens"]
+    if windows and not 1 <= ppl_eval < min(windows):
+        raise ValueError(f"kvpass: --ppl-eval-tokens needs 1 <= N < the smallest window, got {ppl_eval}")
     policies = build_policies(args.policies, budgets)  # before the slow load: bad specs fail at once
     command = _command(args)
     out = Path(args.out)
@@ -189,14 +220,34 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         model, tok, model_name = load_model(args.model)
+        from kvpass.bench.runner import run_perplexity
+
+        def perplexities(backend, compiled):
+            run_perplexity(model, tok, policies, windows, ppl_eval, out, model_name=model_name, command=command,
+                           progress=not args.no_progress, backend=backend, compiled=compiled)
+
         run_grid(model, tok, policies, contexts, tasks, samples, out, seed=args.seed,
                  new_tokens=args.new_tokens, recall_every=args.recall_every, haystack=args.haystack,
-                 progress=not args.no_progress, model_name=model_name, command=command)
+                 progress=not args.no_progress, model_name=model_name, command=command,
+                 on_done=perplexities if windows else None)
+        if args.kernels:
+            from kvpass.bench.runner import run_kernels
+
+            run_kernels(out, quick=args.quick, command=command)
     finally:
         torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
+    from kvpass.bench.report import kernel_table, perplexity_table
+    from kvpass.bench.runner import KERNELS, PERPLEXITY
+
     rows = load_results(out / RESULTS)
     print()
     print(markdown_table(rows))
+    if windows:
+        print()
+        print(perplexity_table(load_results(out / PERPLEXITY)))
+    if args.kernels:
+        print()
+        print(kernel_table(load_results(out / KERNELS)))
     if args.results_md:
         page = write_results_md(out, Path(args.results_md), command)
         print(f"\nkvpass bench: wrote {page}")

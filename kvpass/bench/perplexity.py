@@ -177,6 +177,7 @@ def perplexity(
     *,
     start: int = 0,
     progress: bool = True,
+    compiled=None,
 ) -> dict[str, dict[str, Any]]:
     """Perplexity of ``pydoc_data.topics`` prose for each policy, ClusterKV's PG19 protocol
     (arXiv 2412.03213): tokens ``[start, start + window)`` of the text, the first
@@ -194,7 +195,7 @@ def perplexity(
             f"got start={start}, window={window}"
         )
     ids = ids[:, start : start + window]
-    return perplexity_of_ids(model, ids, backend, policies, eval_tokens, progress=progress)
+    return perplexity_of_ids(model, ids, backend, policies, eval_tokens, progress=progress, compiled=compiled)
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:

@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpass.bench.runner import RESULTS, load_results
+from kvpass.bench.runner import KERNELS, PERPLEXITY, RESULTS, load_results
 
-__all__ = ["markdown_table", "plot_all", "write_results_md", "STRUCTURE_ONLY_MODELS"]
+__all__ = ["markdown_table", "perplexity_table", "kernel_table", "plot_all", "write_results_md",
+           "STRUCTURE_ONLY_MODELS"]
 
 #: Models with random weights: the table shows their accuracy but says it means nothing.
 STRUCTURE_ONLY_MODELS = ("tiny",)
@@ -36,6 +37,14 @@ def _mean(xs: Sequence[float]) -> float:
 
 def _mib(n: float) -> str:
     return "–" if math.isnan(n) else f"{n / (1 << 20):.1f} MiB"
+
+
+def _kib(n: float) -> str:
+    return "–" if math.isnan(n) else f"{n / 1024:.1f} KiB"
+
+
+def _pct(x: float) -> str:
+    return "–" if math.isnan(x) else f"{100 * x:.1f} %"
 
 
 def _f(x: float, digits: int = 2) -> str:
@@ -78,7 +87,8 @@ def _table_for_model(model: str, rows: list[dict[str, Any]]) -> str:
     biggest = max(contexts)
 
     head = ["policy", "budget"] + [f"{c} {t}" for c, t in cols] + [
-        "recall mass / top-k", "decode ms/tok (× Full)", f"bytes held @ {biggest}"]
+        "recall mass / top-k", "decode ms/tok (× Full)", "policy overhead: prefill / decode",
+        "moved/step", f"bytes held @ {biggest}"]
     lines = []
     if _structure_only(model):
         lines.append(f"**{model}: structure only** (random weights: the accuracy figures mean nothing; "
@@ -115,6 +125,10 @@ def _table_for_model(model: str, rows: list[dict[str, Any]]) -> str:
                  if (k := (r["context"], r["task"], r["sample"])) in full]
         ratio = _mean([a / b for a, b in pairs if b and b > 0])
         cells.append(f"{_f(ms, 1)} ({_f(ratio)}×)")
+        pre = _mean([r.get("overhead_prefill_share", float("nan")) for r in lrows])
+        dec = _mean([r.get("overhead_decode_share", float("nan")) for r in lrows])
+        cells.append(f"{_pct(pre)} / {_pct(dec)}")
+        cells.append(_kib(_mean([r.get("bytes_moved_per_step", float("nan")) for r in lrows])))
         cells.append(_mib(_mean([r["device_bytes"] + r.get("host_bytes", 0) for r in lrows
                                  if r["context"] == biggest])))
         lines.append("| " + " | ".join(cells) + " |")
@@ -124,7 +138,56 @@ def _table_for_model(model: str, rows: list[dict[str, Any]]) -> str:
                  f"output. Recall: mean over layers and sampled decode steps of the share of the true "
                  f"attention weight (mass) and of the true top-N tokens (top-k) the policy attended. "
                  f"Decode ratio: the policy's ms/token over Full's on the same cells (below 1: faster). "
+                 f"Policy overhead: the policy's own work (metadata, clustering, selection) as a share of "
+                 f"prefill time and of a decode step. Moved/step: bytes copied between tiers per decode step. "
                  f"Bytes: device + host bytes of every site's keys, values and metadata at the last step.")
+    return "\n".join(lines)
+
+
+def perplexity_table(rows: list[dict[str, Any]]) -> str:
+    """Perplexity per policy and budget (rows) and window (columns), with the delta to Full of the same
+    run: "12.17 (+0.49)"."""
+    if not rows:
+        return "(no perplexity rows)"
+    parts = []
+    for model, mrows in _by_model(rows).items():
+        windows = sorted({(r["window"], r["eval_tokens"]) for r in mrows})
+        labels = sorted({_row_label(r) for r in mrows}, key=_sort_key)
+        head = ["policy", "budget"] + [f"window {w} (last {e} scored)" for w, e in windows]
+        lines = [f"**{model}**" + (" (structure only)" if _structure_only(model) else "") + "\n",
+                 "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * len(windows)]
+        for label in labels:
+            cells = [label[0], "–" if label[1] < 0 else str(label[1])]
+            for w, e in windows:
+                sel = [r for r in mrows if _row_label(r) == label and (r["window"], r["eval_tokens"]) == (w, e)]
+                if not sel:
+                    cells.append("–")
+                    continue
+                r = sel[-1]
+                cells.append(f"{r['ppl']:.2f}" if label[0] == "Full" else f"{r['ppl']:.2f} ({r['delta']:+.2f})")
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + (
+        "\n\nPerplexity of `pydoc_data.topics` prose decoded token by token with teacher forcing: the window's "
+        "first tokens are prefilled, the last ones are each predicted by a decode step over the compressed "
+        "cache. In parentheses: the difference to Full in the same run.")
+
+
+def kernel_table(rows: list[dict[str, Any]]) -> str:
+    """Each kernel against its dense torch counterpart: ms, speedup, achieved GB/s (and % of peak on CUDA)."""
+    if not rows:
+        return "(no kernel rows)"
+    cuda = any("pct_peak" in r for r in rows)
+    head = ["kernel", "shape", "S", "N", "dtype", "impl", "ms", "baseline", "baseline ms", "speedup", "GB/s"]
+    if cuda:
+        head.append("% of peak")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 6 + "---:|" * (len(head) - 6)]
+    for r in rows:
+        cells = [r["kernel"], r["shape"], str(r["S"]), str(r["N"]), r["dtype"], r["impl"], f"{r['ms']:.3f}",
+                 r["baseline"], f"{r['baseline_ms']:.3f}", f"{r['speedup']:.2f}×", f"{r['gbps']:.1f}"]
+        if cuda:
+            cells.append(f"{r.get('pct_peak', float('nan')):.0f} %")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -161,7 +224,7 @@ def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
         for ax, t in zip(axes[0], tasks):
             for name in names:
-                pts = sorted({r["budget"] for r in mrows if r["policy_name"] == name and r["task"] == t})
+                pts = sorted({r["budget"] for r in mrows if r["policy_name"] == name and r["task"] == t} - {None})
                 ys = [_mean([r["accuracy"] for r in mrows if r["policy_name"] == name and r["task"] == t
                              and r["budget"] == b]) for b in pts]
                 ax.plot(pts, ys, marker="o", label=name)
@@ -269,6 +332,14 @@ def write_results_md(out_dir: Path, path: Path, command: str) -> Path:
     first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
     lines += ["", f"{len(rows)} cells, finished between {first} and {last} (UTC).", "", "## Accuracy, recall, speed, memory", ""]
     lines.append(markdown_table(rows))
+    ppl = load_results(out_dir / PERPLEXITY)
+    if ppl:
+        lines += ["", "## Perplexity", "", perplexity_table(ppl)]
+    kern = load_results(out_dir / KERNELS)
+    if kern:
+        dev = "CUDA (Triton)" if kern[0].get("device") == "cuda" else "CPU (the torch reference path)"
+        lines += ["", "## Kernel micro-benchmarks", "", f"On {dev}; N: tokens attended (quest: pages); "
+                  "GB/s: bytes the op must read and write over its time.", "", kernel_table(kern)]
     lines += ["", "## Plots", ""]
     for p in pngs:
         rel = f"{img_dir.name}/{p.name}"

@@ -7,10 +7,12 @@
                     tasks=["single_needle"], samples=2, out_dir=Path("bench_out"))
 
 How it works: the model's ``forward`` is compiled once, ``torch.compile(model.forward,
-backend=kvpass(Full()), dynamic=True)`` (two graphs, prefill and decode, each good for any length),
+backend=kvpass(Full()), dynamic=True)`` (prefill and decode graphs, each good for any length),
 warmed up on a short input, and every policy of the grid is swapped in with
-``backend.set_policy(policy)``: selection policies share the rewritten graph, so a sweep over
-policies and budgets compiles nothing more (the row's ``graphs_compiled`` says if something did).
+``backend.set_policy(policy)``: policies with the same ``graph_key()`` share the rewritten graph, so a
+sweep over policies and budgets compiles nothing more (the row's ``graphs_compiled`` says if something
+did). Policies whose graph differs (ClusterKV with offload inserts fetch ops) run after the others,
+with a backend and a compile of their own.
 
 Per cell the sample comes from :func:`kvpass.bench.tasks.make_sample` wrapped in the model's chat
 template; generation is greedy with a fixed number of new tokens (no stop at ``<|im_end|>``, so every
@@ -27,7 +29,10 @@ Row fields: ``model``, ``policy`` (``describe()``), ``policy_name``, ``budget`` 
 template and new tokens fit the model's positions), ``prompt_tokens``, ``task``, ``sample``, ``seed``,
 ``haystack``, ``new_tokens``, ``accuracy``, ``output``, ``answers``, ``prefill_s``, ``decode_ms``
 (per token), ``tokens_held`` / ``tokens_attended`` / ``device_bytes`` / ``host_bytes`` (summed over
-sites, at the last decode step), ``sites``, ``left_exact``, ``recall`` (``{"mass", "topk",
+sites, at the last decode step), ``bytes_moved`` (between tiers, over the sequence) and
+``bytes_moved_per_step``, ``overhead_prefill_s`` / ``overhead_decode_s`` (the policy's own work:
+metadata, clustering, selection, summed over sites) with ``overhead_prefill_share`` (of prefill_s)
+and ``overhead_decode_share`` (of a decode step), ``decode_steps``, ``sites``, ``left_exact``, ``recall`` (``{"mass", "topk",
 "layers"}``) and ``recall_per_layer`` (``{layer: {"mass", "topk", "steps"}}``, sampled every
 ``recall_every``-th decode step; those steps also pay for the probe, so decode_ms carries it for every
 policy alike), ``peak_rss_bytes`` (the process's peak so far: monotone over a run), ``graphs_compiled``
@@ -36,6 +41,7 @@ policy alike), ``peak_rss_bytes`` (the process's peak so far: monotone over a ru
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -53,9 +59,12 @@ import torch
 
 from kvpass.policies.base import Policy
 
-__all__ = ["run_grid", "default_new_tokens", "machine_info", "cell_key", "load_results", "RESULTS"]
+__all__ = ["run_grid", "run_perplexity", "run_kernels", "default_new_tokens", "machine_info", "cell_key",
+           "load_results", "RESULTS", "PERPLEXITY", "KERNELS"]
 
 RESULTS = "results.jsonl"
+PERPLEXITY = "perplexity.jsonl"
+KERNELS = "kernels.jsonl"
 
 #: New tokens per task: enough for the answers. SmolLM2 restates the question before the number ("The
 #: special magic number for witty-badger mentioned in the text above is ..." is 16 tokens), so a
@@ -91,6 +100,16 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "cuda": torch.cuda.is_available(),
     }
+
+
+def policy_label(policy: Policy) -> str:
+    """The policy's name, with what sets it apart in a table besides its budget: the cache ratio of
+    ratio-budgeted policies (CentroidKV), offload (ClusterKV)."""
+    label = policy.name
+    if getattr(policy, "offload", False):
+        label += " offload"
+    ratio = getattr(policy, "cache_ratio", None)
+    return label if ratio is None else f"{label} ratio={ratio}"
 
 
 def policy_budget(policy: Policy) -> int | None:
@@ -149,7 +168,48 @@ def _site_sums(backend) -> dict[str, Any]:
         "tokens_attended": sum(int(r.get("tokens_attended", 0)) for r in sites),
         "device_bytes": sum(int(r.get("device_bytes", 0)) for r in sites),
         "host_bytes": sum(int(r.get("host_bytes", 0)) for r in sites),
+        "bytes_moved": sum(int(r.get("bytes_moved", 0)) for r in sites),
+        "overhead_prefill_s": sum(float(r.get("overhead_prefill_s", 0.0)) for r in sites),
+        "overhead_decode_s": sum(float(r.get("overhead_decode_s", 0.0)) for r in sites),
+        "decode_steps": max([int(r.get("steps", 0)) for r in sites], default=0),
     }
+
+
+def _prefill(fwd, ids: torch.Tensor):
+    """Exact prefill with the model's own (uncompiled) forward: ``(first token (1, 1), cache, seconds)``."""
+    t0 = time.perf_counter()
+    out = fwd(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    first = out.logits[:, -1].argmax(-1, keepdim=True)
+    return first, out.past_key_values, time.perf_counter() - t0
+
+
+def _warm_up(model, fwd, tokenizer, share_prefill: bool) -> float:
+    """Compile every graph a cell will use (prefill, first decode, dynamic decode, and the continuation
+    from an adopted cache) on a short input; returns the seconds it took."""
+    from kvpass.demo import _generation_config
+    from kvpass.models import chat_prompt
+
+    t0 = time.perf_counter()
+    warm = tokenizer(chat_prompt(tokenizer, "Say hello. " * 16), return_tensors="pt",
+                     add_special_tokens=False)["input_ids"][:, :_WARMUP_TOKENS]
+    model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=_generation_config(model, 2))
+    if share_prefill:
+        # the continuation from an adopted cache passes a real cache, not a stub: its own graph
+        first, cache, _ = _prefill(fwd, warm)
+        warm1 = torch.cat([warm, first], dim=1)
+        model.generate(warm1, attention_mask=torch.ones_like(warm1), past_key_values=cache,
+                       generation_config=_generation_config(model, 3))
+    return time.perf_counter() - t0
+
+
+def _overheads(row: dict[str, Any]) -> None:
+    """Derived per-step figures: the policy's own share of prefill and of a decode step, bytes moved
+    between tiers per decode step."""
+    steps = max(1, row["decode_steps"])
+    row["overhead_prefill_share"] = row["overhead_prefill_s"] / row["prefill_s"] if row["prefill_s"] > 0 else float("nan")
+    per_step_ms = 1000 * row["overhead_decode_s"] / steps
+    row["overhead_decode_share"] = per_step_ms / row["decode_ms"] if row["decode_ms"] > 0 else float("nan")
+    row["bytes_moved_per_step"] = row["bytes_moved"] / steps
 
 
 def _peak_rss_bytes() -> int:
@@ -173,9 +233,19 @@ def run_grid(
     progress: bool = True,
     model_name: str | None = None,
     command: str | None = None,
+    share_prefill: bool = True,
+    on_done=None,
 ) -> list[dict[str, Any]]:
     """Run every cell not yet in ``out_dir/results.jsonl``; return the rows of this call's cells
     (those run now and those found in the file), in grid order.
+
+    ``on_done(backend, compiled_forward)``: called at the end with the plain graph's backend and the
+    compiled ``model.forward`` (the perplexity runs there without compiling again).
+
+    ``share_prefill``: prefill each sample once, exactly (every policy here attends exactly at
+    prefill), and start every policy's generation from a copy of that cache and the first token; the
+    policy builds its metadata from the adopted cache at its first decode step (counted in its
+    ``prefill_s``, which is the shared prefill's time plus that step). False: each cell prefills.
 
     ``policies``: selection policies (``Full`` is added first if missing). ``contexts``: prompt
     sizes in tokens of the tokenizer (capped to fit the model's positions). ``samples``: seeds
@@ -234,29 +304,41 @@ def run_grid(
     if not pending:
         if progress:
             print(f"kvpass bench: all {len(grid)} cells already in {path}", flush=True)
-        return [results[key_of(*g)] for g in grid]
+        if on_done is not None:
+            pending = []  # still compile the plain graph for on_done below
+        else:
+            return [results[key_of(*g)] for g in grid]
 
-    backend = kvpass(Full())
+    # Policies that compile to the same graph share one backend (set_policy); each other graph (a
+    # policy that inserts ops of its own, e.g. ClusterKV's fetch) gets its own, compiled when reached.
+    # The plain graph runs last so that ``on_done`` gets its backend (Full and the selection policies).
+    keys = list(dict.fromkeys([g[3].graph_key() for g in pending if g[3].graph_key() != Full().graph_key()]))
+    order = {k: i for i, k in enumerate(keys + [Full().graph_key()])}
+    pending.sort(key=lambda g: order[g[3].graph_key()])  # stable: grid order within a graph
     fwd = model.forward
-    model.forward = torch.compile(fwd, backend=backend, dynamic=True)
+    backend, current, compile_s = None, None, 0.0
     bar = None
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # counted in the row
-            t0 = time.perf_counter()
-            warm = tokenizer(chat_prompt(tokenizer, "Say hello. " * 16), return_tensors="pt",
-                             add_special_tokens=False)["input_ids"][:, :_WARMUP_TOKENS]
-            model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=_generation_config(model, 2))
-            compile_s = time.perf_counter() - t0
-            if progress:
-                print(f"kvpass bench: compiled {len(backend.graphs)} graph(s) in {compile_s:.0f} s; "
-                      f"{len(pending)} of {len(grid)} cells to run", flush=True)
             if progress:
                 from tqdm.auto import tqdm
 
                 bar = tqdm(total=len(pending), desc="kvpass bench", unit="cell", dynamic_ncols=True)
             sample_cache: dict[tuple, tuple] = {}
             for c, t, s, p in pending:
+                if p.graph_key() != current:
+                    if backend is not None:
+                        backend.runtime.set_probe(None)
+                    torch._dynamo.reset()
+                    current = p.graph_key()
+                    backend = kvpass(p if current != Full().graph_key() else Full())
+                    model.forward = torch.compile(fwd, backend=backend, dynamic=True)
+                    compile_s = _warm_up(model, fwd, tokenizer, share_prefill)
+                    if progress:
+                        bar.write(f"kvpass bench: compiled {len(backend.graphs)} graph(s) for {current} in "
+                                  f"{compile_s:.0f} s; {len(pending)} of {len(grid)} cells to run")
+                    sample_cache.clear()
                 cell_t0 = time.perf_counter()
                 skey = (c, t, s)
                 if skey not in sample_cache:
@@ -265,8 +347,9 @@ def run_grid(
                     sample = make_sample(t, tokenizer, used, s, haystack)
                     text = chat_prompt(tokenizer, sample.prompt)
                     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-                    sample_cache[skey] = (used, sample, ids)
-                used, sample, ids = sample_cache[skey]
+                    shared = _prefill(fwd, ids) if share_prefill else None
+                    sample_cache[skey] = (used, sample, ids, shared)
+                used, sample, ids, shared = sample_cache[skey]
                 if bar is not None:
                     bar.set_postfix_str(f"{p.describe()} ctx={c} {t} #{s}")
                 backend.set_policy(p)
@@ -275,17 +358,27 @@ def run_grid(
                 graphs_before = len(backend.graphs)
                 nt = n_new(t)
                 stamps = _Stamps()
-                start = time.perf_counter()
-                out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     generation_config=_generation_config(model, nt), streamer=stamps)
+                if shared is None:
+                    start = time.perf_counter()
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                         generation_config=_generation_config(model, nt), streamer=stamps)
+                    new_ids = out[0, ids.shape[1]:].tolist()
+                else:
+                    # Continue from the shared exact prefill: the first new token is already chosen; the
+                    # policy adopts the prompt's cache (building its metadata) at the next step.
+                    first, cache, prefill_s = shared
+                    start = time.perf_counter() - prefill_s
+                    ids1 = torch.cat([ids, first], dim=1)
+                    out = model.generate(ids1, attention_mask=torch.ones_like(ids1), past_key_values=copy.deepcopy(cache),
+                                         generation_config=_generation_config(model, nt - 1), streamer=stamps)
+                    new_ids = out[0, ids.shape[1]:].tolist()
                 backend.runtime.set_probe(None)
                 times = stamps.times
-                new_ids = out[0, ids.shape[1]:].tolist()
                 answer = _answer(tokenizer, new_ids)
                 row: dict[str, Any] = {
                     "model": model_name,
                     "policy": p.describe(),
-                    "policy_name": p.name,
+                    "policy_name": policy_label(p),
                     "budget": policy_budget(p),
                     "context": int(c),
                     "context_used": used,
@@ -312,10 +405,8 @@ def run_grid(
                     "command": command,
                     "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 }
-                with open(path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                _overheads(row)
+                _append(path, row)
                 results[key_of(c, t, s, p)] = row
                 if progress:
                     line = (f"{p.describe()} ctx={c} {t} #{s}: acc {row['accuracy']:.2f}, prefill "
@@ -323,10 +414,95 @@ def run_grid(
                             f"{row['recall']['mass']:.3f}, output {answer[:40]!r}")
                     bar.write(line)
                     bar.update(1)
+            if on_done is not None:
+                if current != Full().graph_key():
+                    torch._dynamo.reset()
+                    backend = kvpass(Full())
+                    model.forward = torch.compile(fwd, backend=backend, dynamic=True)
+                if bar is not None:
+                    bar.close()
+                    bar = None
+                on_done(backend, model.forward)
     finally:
         if bar is not None:
             bar.close()
-        backend.runtime.set_probe(None)
+        if backend is not None:
+            backend.runtime.set_probe(None)
         model.forward = fwd
         torch._dynamo.reset()
     return [results[key_of(*g)] for g in grid]
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_perplexity(
+    model,
+    tokenizer,
+    policies: list[Policy],
+    windows: list[int],
+    eval_tokens: int,
+    out_dir: Path,
+    *,
+    model_name: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    backend=None,
+    compiled=None,
+) -> list[dict[str, Any]]:
+    """Perplexity of ``pydoc_data.topics`` prose (:func:`kvpass.bench.perplexity.perplexity`) for every
+    policy at every window, one compiled backend; rows (``model, policy, policy_name, budget, window,
+    eval_tokens, ppl, nll, delta, delta_nll, seconds, machine, command, finished``) appended to
+    ``out_dir/perplexity.jsonl``. A (model, window, eval_tokens) whose rows are all there is skipped."""
+    from kvpass import kvpass
+    from kvpass.bench.perplexity import perplexity
+    from kvpass.policies.full import Full
+
+    policies = _with_full(policies)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PERPLEXITY
+    model_name = model_name or _model_name(model)
+    done = {(r["model"], r["policy"], r["window"], r["eval_tokens"]) for r in load_results(path)}
+    machine = machine_info()
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    if backend is None:
+        backend = kvpass(Full())
+    for w in windows:
+        w = min(int(w), max_pos)
+        if all((model_name, p.describe(), w, eval_tokens) in done for p in policies):
+            continue
+        if progress:
+            print(f"kvpass bench: perplexity, window {w}, last {eval_tokens} tokens scored, "
+                  f"{len(policies)} policies", flush=True)
+        res = perplexity(model, tokenizer, backend, policies, w, eval_tokens, progress=progress, compiled=compiled)
+        for p in policies:
+            r = res[p.describe()]
+            _append(path, {
+                "model": model_name, "policy": p.describe(), "policy_name": policy_label(p), "budget": policy_budget(p),
+                "window": w, "eval_tokens": eval_tokens, **{k: r[k] for k in ("ppl", "nll", "delta", "delta_nll",
+                                                                               "seconds")},
+                "machine": machine, "command": command,
+                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            })
+    return [r for r in load_results(path) if r["model"] == model_name]
+
+
+def run_kernels(out_dir: Path, *, quick: bool = False, command: str | None = None) -> list[dict[str, Any]]:
+    """Kernel micro-benchmarks (:func:`kvpass.bench.kernels.benchmark_kernels`, CUDA when present)
+    written afresh to ``out_dir/kernels.jsonl`` (timings are of this machine now, never resumed)."""
+    from kvpass.bench.kernels import benchmark_kernels
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / KERNELS
+    rows = benchmark_kernels("cuda" if torch.cuda.is_available() else "cpu", quick=quick)
+    machine = machine_info()
+    path.unlink(missing_ok=True)
+    for r in rows:
+        _append(path, {**r, "machine": machine, "command": command})
+    return rows

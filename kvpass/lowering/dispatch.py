@@ -33,3 +33,36 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pa
     if _use_triton(q):
         return quest.quest_page_scores(q, kmin, kmax, num_pages=num_pages)
     return quest.quest_page_scores_ref(q, kmin, kmax, num_pages=num_pages)
+
+
+def cosine_kmeans(keys: torch.Tensor, num_clusters: int, max_iters: int, seed: int):
+    """ClusterKV's cosine k-means of ``keys (B, H_kv, N, D)``: see :mod:`kvpass.kernels.clusterkv`."""
+    from kvpass.kernels import clusterkv
+
+    return clusterkv.cosine_kmeans(keys, num_clusters, max_iters=max_iters, seed=seed,
+                                   use_triton=_use_triton(keys))
+
+
+def select_clusters(scores, sizes, offsets, order, budget: int) -> torch.Tensor:
+    """(B, H_kv, budget) token positions of the best whole clusters (the last one trimmed)."""
+    from kvpass.kernels import clusterkv
+
+    if _use_triton(scores):
+        return clusterkv.select_clusters(scores, sizes, offsets, order, budget)
+    return clusterkv.select_clusters_ref(scores, sizes, offsets, order, budget)
+
+
+def chunk_match(k: torch.Tensor, lo: int, hi: int, chunk: int):
+    """CentroidKV's chunked soft matching: ``(a_pos, b_pos, sim)`` (see :mod:`kvpass.kernels.centroid`)."""
+    from kvpass.kernels import centroid
+
+    if _use_triton(k):
+        return centroid.chunk_match(k, lo, hi, chunk)
+    return centroid.chunk_match_ref(k, lo, hi, chunk)
+
+
+def centroid_attention(q, k, v, deg, scale: float) -> torch.Tensor:
+    """(B, H_q, Dv) decode attention with the log-degree bias (degree 0: the slot is ignored)."""
+    from kvpass.kernels import centroid
+
+    return centroid.centroid_decode_attention(q, k, v, deg, scale=scale, use_triton=_use_triton(q))

@@ -149,8 +149,15 @@ class KVPassGraphPass(CustomGraphPass):
 
     def _rewrite_owned(self, graph: fx.Graph, m: SiteMatch, site: int) -> fx.Node:
         """The runtime keeps the keys and values; the graph returns stubs for the model's cache, so
-        the whole-cache ``cat`` becomes dead code."""
+        the whole-cache ``cat`` becomes dead code. A policy with a host tier also gets a
+        ``kvpass::fetch`` before the attention, whose ticket the attention consumes."""
         o = m.own
+        fetched = None
+        backend = self._backend()
+        if backend is not None and backend.policy.fetches:
+            fetched = self._insert(graph, m.sdpa, torch.ops.kvpass.fetch.default,
+                                   (m.q, o["k_past"], self._handle, site), m.sdpa)
+            counters["kvpass"]["fetches_inserted"] += 1
         args = (
             m.q,
             o["k_new"],
@@ -162,6 +169,7 @@ class KVPassGraphPass(CustomGraphPass):
             m.is_causal,
             self._handle,
             site,
+            fetched,
         )
         new = self._insert(graph, m.sdpa, torch.ops.kvpass.attention_owned.default, args, m.sdpa)
         output = next(n for n in reversed(graph.nodes) if n.op == "output")

@@ -52,22 +52,43 @@ def attention_owned(
     is_causal: bool,
     handle: int,
     site: int,
+    fetched: Tensor | None = None,
 ) -> Tensor:
     """Attention of a site whose KV cache the runtime owns.
 
     q: (B, H_q, T, D); k_new, v_new: (B, H_kv, T, D) this step's keys and values; past_k, past_v:
     what the model's cache held before this step (the stub :func:`cache_stub` returned last step,
     or None at prefill). The runtime appends the new tokens to its own buffers in place.
-    Returns (B, H_q, T, D), contiguous.
+    fetched: the ticket of this step's :func:`fetch` (policies with a host tier), which orders the
+    fetch before this op. Returns (B, H_q, T, D), contiguous.
     """
     rt = registry.lookup(handle)
-    out = rt.attend_owned(site, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+    out = rt.attend_owned(site, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal, fetched)
     return out.contiguous()
 
 
 @attention_owned.register_fake
-def _attention_owned_fake(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal, handle, site):
+def _attention_owned_fake(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal, handle, site,
+                          fetched=None):
     return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
+
+
+@torch.library.custom_op("kvpass::fetch", mutates_args=())
+def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int) -> Tensor:
+    """Bring what this decode step will attend from the host tier to the device tier.
+
+    q: (B, H_q, T, D) the step's queries (the selection depends on them); past_k: the model's cache
+    before this step (its length is the sequence's). Returns a ticket, an int64 tensor of shape (1,)
+    holding the step number, that :func:`attention_owned` takes as ``fetched``: the data dependency
+    makes Inductor issue the fetch before the attention that needs it. On CUDA the copies would run
+    on a side stream with an event the attention waits on; on CPU they are copies between the tiers.
+    """
+    return registry.lookup(handle).fetch(site, q, past_k)
+
+
+@fetch.register_fake
+def _fetch_fake(q, past_k, handle, site):
+    return q.new_empty((1,), dtype=torch.int64)
 
 
 @torch.library.custom_op("kvpass::cache_stub", mutates_args=())

@@ -5,6 +5,8 @@ A policy is configuration only. It creates one :class:`kvpass.runtime.SiteState`
 """
 
 from kvpass.policies.base import Policy, policy_from_dict, register_policy, registered_policies
+from kvpass.policies.centroidkv import CentroidKV
+from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.full import Full
 from kvpass.policies.quest import Quest
 from kvpass.policies.streaming import StreamingLLM
@@ -14,6 +16,8 @@ __all__ = [
     "Full",
     "StreamingLLM",
     "Quest",
+    "ClusterKV",
+    "CentroidKV",
     "policy_from_dict",
     "register_policy",
     "registered_policies",

@@ -55,6 +55,12 @@ class Policy:
         own overrides this with its class and the parameters that structure depends on."""
         return "kvpass::attention"
 
+    @property
+    def fetches(self) -> bool:
+        """True when the policy keeps a host tier and the pass must insert a ``kvpass::fetch`` before
+        each owned attention site (then ``graph_key`` must differ from the plain policies')."""
+        return False
+
     def describe(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,13 +128,16 @@ class SiteState:
     Subclasses override :meth:`observe` (fold the new tokens into metadata) and :meth:`select` (the
     token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all)."""
 
-    def __init__(self, policy: Policy, info: SiteInfo):
+    def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
         from kvpass.runtime.store import OwnedKV
 
         self.policy = policy
         self.info = info
         self.store = OwnedKV()  # used when the pass gave this site's cache to the runtime
         self.probe = None  # measurement hook (kvpass.bench): called at decode steps with the selection
+        # Scratch shared by the sites of one Runtime (decisions that need every layer, e.g. CentroidKV's
+        # outlier heads); owned by the backend like the states themselves.
+        self.shared: dict = {} if shared is None else shared
         self.prefill_calls = 0
         self.decode_calls = 0
         self.reset()
@@ -146,6 +150,21 @@ class SiteState:
         self.kv_bytes = 0
         self.attended = 0
         self.last_idx: torch.Tensor | None = None
+        # The policy's own work (metadata, clustering, selection, quantisation), wall seconds since the
+        # sequence started, split by phase; on CUDA these are launch times unless a probe synchronises.
+        self.overhead_prefill_s = 0.0
+        self.overhead_decode_s = 0.0
+        self.bytes_moved = 0  # between tiers (host -> device), since the sequence started
+        self.steps = 0  # decode steps since the sequence started
+
+    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
+        """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
+        :attr:`store`, then :meth:`forward`. Policies that keep a different physical cache override it."""
+        rebuilt = self.store.append(past_k, past_v, k_new, v_new)
+        k, v = self.store.views()
+        length = k.shape[2]
+        start = 0 if rebuilt else length - k_new.shape[2]
+        return self.forward(_make_call(q, k, v, attn_mask, scale, is_causal, length, start), owned=True)
 
     def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
         if call.start == 0:
@@ -158,15 +177,23 @@ class SiteState:
             k = call.k
             self.physical = k.shape[2]
             self.kv_bytes = 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size() * self.physical
+        t0 = time.perf_counter()
         self.observe(call)
         if call.new_tokens > 1:
             # Prefill and chunked prefill attend exactly, as every method here does.
+            self.overhead_prefill_s += time.perf_counter() - t0
             self.prefill_calls += 1
             self.attended = call.length
             self.last_idx = None
             return call.exact()
         self.decode_calls += 1
+        self.steps += 1
         idx = self.select(call)
+        if call.start == 0:
+            # metadata built from an adopted cache (a prefill done elsewhere) is prefill work
+            self.overhead_prefill_s += time.perf_counter() - t0
+        else:
+            self.overhead_decode_s += time.perf_counter() - t0
         self.last_idx = idx
         if self.probe is not None:
             self.probe(self, call, idx)
@@ -185,6 +212,11 @@ class SiteState:
         )
         return out.unsqueeze(2)
 
+    def fetch(self, q: torch.Tensor, past: int) -> torch.Tensor:
+        """Before the attention of a step with ``past`` cached tokens: fetch from the host tier
+        (policies that offload). Returns the ticket ``(1,)`` int64 (the decode step number)."""
+        return torch.full((1,), self.steps, dtype=torch.int64, device=q.device)
+
     # -- policy hooks ----------------------------------------------------------------------------
     def observe(self, call: AttentionCall) -> None:
         """Fold the tokens at positions ``[call.start, call.length)`` into the metadata."""
@@ -193,6 +225,10 @@ class SiteState:
         return None
 
     def metadata_bytes(self) -> int:
+        return 0
+
+    def host_bytes(self) -> int:
+        """Bytes this site keeps in the host tier (policies that offload)."""
         return 0
 
     def tokens_attended(self) -> int:
@@ -212,7 +248,11 @@ class SiteState:
             "tokens_held": self.physical,
             "tokens_attended": self.tokens_attended(),
             "device_bytes": self.kv_bytes + self.metadata_bytes(),
-            "host_bytes": 0,
+            "host_bytes": self.host_bytes(),
+            "bytes_moved": self.bytes_moved,
+            "steps": self.steps,
+            "overhead_prefill_s": self.overhead_prefill_s,
+            "overhead_decode_s": self.overhead_decode_s,
             "prefill_calls": self.prefill_calls,
             "decode_calls": self.decode_calls,
         }
@@ -226,6 +266,7 @@ class Runtime:
         self.sites: dict[int, SiteState] = {}
         self.infos: dict[int, SiteInfo] = {}
         self.probe = None
+        self.shared: dict = {}
         self._lock = threading.Lock()
         self.handle = registry.register(self)
 
@@ -239,6 +280,7 @@ class Runtime:
         if st is None:
             st = self.sites[site] = self.policy.new_state(self.info(site))
             st.probe = self.probe
+            st.shared = self.shared
         return st
 
     def set_probe(self, probe) -> None:
@@ -278,19 +320,28 @@ class Runtime:
         attn_mask: torch.Tensor | None,
         scale: float,
         is_causal: bool,
+        fetched: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
         with self._lock:
-            st = self.state(site)
-            rebuilt = st.store.append(past_k, past_v, k_new, v_new)
-            k, v = st.store.views()
-            length = k.shape[2]
-            start = 0 if rebuilt else length - k_new.shape[2]
-            call = _make_call(q, k, v, attn_mask, scale, is_causal, length, start)
-            return st.forward(call, owned=True)
+            return self.state(site).forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+
+    def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
+        """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""
+        with self._lock:
+            past = 0 if past_k is None else past_k.shape[2]
+            return self.state(site).fetch(q, past)
 
     def reset(self) -> None:
         with self._lock:
+            self.shared.clear()
             for st in self.sites.values():
                 st.reset()
+
+    def set_policy(self, policy: Policy) -> None:
+        """Every site starts afresh under ``policy`` (the graphs are unchanged)."""
+        with self._lock:
+            self.policy = policy
+            self.sites.clear()
+            self.shared.clear()

@@ -49,10 +49,13 @@ class OwnedKV:
     GROWTH = 1.5
     SLACK = 256  # slots beyond the prefill, so that decoding does not regrow at once
 
-    def __init__(self) -> None:
+    def __init__(self, host: bool = False) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
+        # host=True: the buffers live in CPU memory (pinned when CUDA is present) whatever device the
+        # model runs on: the host tier of an offloading policy
+        self.host = host
 
     def nbytes(self) -> int:
         if self.k is None:
@@ -74,8 +77,13 @@ class OwnedKV:
         cap = -(-cap // 64) * 64  # whole pages for page-granular policies (page sizes dividing 64)
         # zeros, not empty: page-granular gathers read the unwritten tail of the last page (masked,
         # but 0 * NaN would still be NaN)
-        k = like_k.new_zeros((b, h, cap, dk))
-        v = like_v.new_zeros((b, h, cap, like_v.shape[3]))
+        if self.host:
+            pin = torch.cuda.is_available()
+            k = torch.zeros((b, h, cap, dk), dtype=like_k.dtype, pin_memory=pin)
+            v = torch.zeros((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=pin)
+        else:
+            k = like_k.new_zeros((b, h, cap, dk))
+            v = like_v.new_zeros((b, h, cap, like_v.shape[3]))
         if self.k is not None and self.length and self.k.shape[:2] == like_k.shape[:2]:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]

@@ -1,0 +1,356 @@
+"""Site state of ClusterKV (arXiv 2412.03213): clusters of keys per KV head, budgeted cluster recall.
+
+Metadata per site, for every batch row and KV head (all rows share the cluster count, since every row
+has the same length):
+
+- ``centroids (B, H_kv, C, D)`` fp32: the mean of each cluster's keys (the paper's μ, scored by q·μ),
+- ``sizes (B, H_kv, C)`` int64, ``offsets (B, H_kv, C + 1)`` their exclusive prefix sums,
+- ``order (B, H_kv, N)`` int64: the clustered token positions sorted by cluster (cluster ``c`` is
+  ``order[..., offsets[c]:offsets[c + 1]]``).
+
+Positions ``[0, sinks)`` are never clustered, ``[sinks, tail)`` are, and ``[tail, L)`` (tokens
+since the last clustering) are attended at every step until ``decode_window`` of them are clustered.
+
+With ``offload=True`` the whole KV lives in the host tier (the site's store, in CPU memory) and the
+device tier (:class:`DeviceTier`) holds the sinks, the recent tokens and the tokens of the clusters
+selected in the last ``cache_steps`` steps; each step's ``kvpass::fetch`` copies only the missing ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpass.runtime.state import AttentionCall, KVPassError, SiteState, _make_call
+
+
+class DeviceTier:
+    """The device side of ClusterKV's cluster-granular cache (arXiv 2412.03213, Sec. 4).
+
+    - ``sink_k/v (B, H, n_sinks, D)``: the first tokens, kept for the whole sequence;
+    - ``rec_k/v (B, H, cap, D)``: tokens ``[rec_start, rec_start + rec_len)`` since the last clustering;
+    - ``ring_k/v (cache_steps + 1, B, H, budget, D)``: the recalled cluster tokens of the last
+      ``cache_steps`` steps, one buffer per step plus the one being filled;
+    - ``seen, slot (B, H, cap_L)`` int64: per position, the step that last recalled it (-1: never)
+      and its slot in that step's buffer.
+
+    A recalled position that some buffer of the last ``cache_steps`` steps holds is a hit (a copy
+    inside the device tier); the others are misses, copied from the host tier (counted in bytes).
+    """
+
+    def __init__(self, sinks_k, sinks_v, cache_steps: int, budget: int):
+        self.sink_k, self.sink_v = sinks_k, sinks_v
+        b, h, _, d = sinks_k.shape
+        self.rec_k = sinks_k.new_zeros((b, h, 64, d))
+        self.rec_v = sinks_v.new_zeros((b, h, 64, sinks_v.shape[-1]))
+        self.rec_start = self.rec_len = 0
+        self.ring_k = sinks_k.new_zeros((cache_steps + 1, b, h, budget, d))
+        self.ring_v = sinks_v.new_zeros((cache_steps + 1, b, h, budget, sinks_v.shape[-1]))
+        self.seen = torch.full((b, h, 0), -1, dtype=torch.long, device=sinks_k.device)
+        self.slot = torch.zeros((b, h, 0), dtype=torch.long, device=sinks_k.device)
+        self.cache_steps = cache_steps
+        self.step = 0
+        self.hits = self.recalled = 0
+        self.cur = 0  # ring buffer of the last fetch
+        self.n_cur = 0  # tokens in it
+        # CUDA: the copies run on a side stream; the attention waits on the event (written for GPUs,
+        # not exercised on the CPU machines this project is tested on)
+        self.stream = torch.cuda.Stream(sinks_k.device) if sinks_k.is_cuda else None
+        self.event = None
+
+    def nbytes(self) -> int:
+        ts = (self.sink_k, self.sink_v, self.rec_k, self.rec_v, self.ring_k, self.ring_v, self.seen, self.slot)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def sync_recent(self, tail: int, end: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Hold exactly the tokens ``[tail, end)``: drop those clustered since, append ``k_new``
+        (the last ``k_new.shape[2]`` positions before ``end``; produced on the device)."""
+        if tail > self.rec_start:
+            drop = min(tail - self.rec_start, self.rec_len)
+            keep = self.rec_len - drop
+            self.rec_k[:, :, :keep] = self.rec_k[:, :, drop : self.rec_len].clone()
+            self.rec_v[:, :, :keep] = self.rec_v[:, :, drop : self.rec_len].clone()
+            self.rec_start, self.rec_len = tail, keep
+        t = k_new.shape[2]
+        skip = max(0, tail - (end - t))  # new tokens already clustered (a prefill clusters them at once)
+        n = t - skip
+        if self.rec_len + n > self.rec_k.shape[2]:
+            cap = max(self.rec_len + n, 2 * self.rec_k.shape[2])
+            for name in ("rec_k", "rec_v"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], cap, old.shape[3]))
+                new[:, :, : self.rec_len] = old[:, :, : self.rec_len]
+                setattr(self, name, new)
+        self.rec_k[:, :, self.rec_len : self.rec_len + n] = k_new[:, :, skip:]
+        self.rec_v[:, :, self.rec_len : self.rec_len + n] = v_new[:, :, skip:]
+        self.rec_len += n
+        self.rec_start = end - self.rec_len
+
+    def recent(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest ``n`` recent tokens."""
+        return self.rec_k[:, :, self.rec_len - n : self.rec_len], self.rec_v[:, :, self.rec_len - n : self.rec_len]
+
+    def fetch(self, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor, length: int) -> int:
+        """Put the tokens at positions ``idx (B, H, N)`` into a fresh ring buffer: hits from the buffers
+        of the last ``cache_steps`` steps, misses from ``host_k/v``. Returns the bytes moved."""
+        if self.stream is None:
+            return self._fetch(host_k, host_v, idx, length)
+        self.stream.wait_stream(torch.cuda.current_stream(idx.device))  # idx and the ring are ready
+        with torch.cuda.stream(self.stream):
+            moved = self._fetch(host_k, host_v, idx, length)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        return moved
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last fetch (before attending the device tier)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.ring_k.device).wait_event(self.event)
+            self.event = None
+
+    def _fetch(self, host_k, host_v, idx, length) -> int:
+        b, h, n = idx.shape
+        dev = self.ring_k.device
+        if self.seen.shape[2] < length:
+            grow = max(length, 2 * self.seen.shape[2]) - self.seen.shape[2]
+            self.seen = torch.cat([self.seen, self.seen.new_full((b, h, grow), -1)], 2)
+            self.slot = torch.cat([self.slot, self.slot.new_zeros((b, h, grow))], 2)
+        self.step += 1
+        r = self.step % (self.cache_steps + 1)
+        seen = self.seen.gather(2, idx)
+        hit = (seen >= 0) & (self.step - seen <= self.cache_steps)
+        bi = torch.arange(b, device=dev)[:, None, None].expand(b, h, n)
+        hi = torch.arange(h, device=dev)[None, :, None].expand(b, h, n)
+        ji = torch.arange(n, device=dev)[None, None, :].expand(b, h, n)
+        old_buf = seen.clamp(min=0) % (self.cache_steps + 1)
+        old_slot = self.slot.gather(2, idx)
+        # hits: within the device tier
+        self.ring_k[r, bi[hit], hi[hit], ji[hit]] = self.ring_k[old_buf[hit], bi[hit], hi[hit], old_slot[hit]]
+        self.ring_v[r, bi[hit], hi[hit], ji[hit]] = self.ring_v[old_buf[hit], bi[hit], hi[hit], old_slot[hit]]
+        # misses: host -> device
+        miss = ~hit
+        mb, mh, mp = bi[miss].to(host_k.device), hi[miss].to(host_k.device), idx[miss].to(host_k.device)
+        rows_k = host_k[mb, mh, mp].to(dev, non_blocking=True)
+        rows_v = host_v[mb, mh, mp].to(dev, non_blocking=True)
+        self.ring_k[r, bi[miss], hi[miss], ji[miss]] = rows_k
+        self.ring_v[r, bi[miss], hi[miss], ji[miss]] = rows_v
+        self.seen.scatter_(2, idx, self.step)
+        self.slot.scatter_(2, idx, ji.contiguous())
+        n_hit = int(hit.sum())
+        self.hits += n_hit
+        self.recalled += idx.numel()
+        self.cur, self.n_cur = r, n
+        return rows_k.numel() * rows_k.element_size() + rows_v.numel() * rows_v.element_size()
+
+
+class ClusterState(SiteState):
+    def __init__(self, policy, info, shared=None):
+        super().__init__(policy, info, shared)
+        if policy.offload and not self.dense:
+            from kvpass.runtime.store import OwnedKV
+
+            self.store = OwnedKV(host=True)  # the host tier: the whole KV
+
+    def reset(self) -> None:
+        super().reset()
+        self.tier: DeviceTier | None = None
+        self.plan = None  # (n_sinks, cluster positions or None, n_recent) made by the last fetch
+        self.centroids: torch.Tensor | None = None
+        self.sizes: torch.Tensor | None = None
+        self.order: torch.Tensor | None = None
+        self.tail = 0  # first position not clustered (sinks excluded)
+        self.clusterings = 0
+        self.kmeans_iters = 0
+
+    @property
+    def dense(self) -> bool:
+        return self.info.layer in self.policy.dense_layers
+
+    @property
+    def offloading(self) -> bool:
+        return self.policy.offload and not self.dense
+
+    def metadata_bytes(self) -> int:
+        meta = sum(t.numel() * t.element_size() for t in (self.centroids, self.sizes, self.order) if t is not None)
+        return meta + (self.tier.nbytes() if self.tier is not None else 0)
+
+    def host_bytes(self) -> int:
+        return self.store.nbytes() if self.offloading else 0
+
+    def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
+        if self.offloading and not owned:
+            raise KVPassError(
+                "kvpass: ClusterKV(offload=True) needs the runtime to own the cache (a DynamicCache with "
+                "kvpass(..., own_cache=True), the default); a StaticCache keeps every token on the device "
+                "anyway: use offload=False with it"
+            )
+        if owned and self.offloading:
+            # the whole KV is in the host tier: only the device tier is counted as device bytes
+            out = super().forward(call, owned)
+            self.kv_bytes = 0
+            return out
+        return super().forward(call, owned)
+
+    # -- clustering ------------------------------------------------------------------------------
+    def _cluster(self, keys: torch.Tensor, start: int, clusters: int) -> None:
+        """Cluster ``keys (B, H_kv, n, D)`` (positions ``start ..``) and append the clusters."""
+        from kvpass.lowering.dispatch import cosine_kmeans
+
+        p = self.policy
+        km = cosine_kmeans(keys, clusters, max_iters=p.kmeans_iters, seed=p.seed + self.clusterings)
+        self.clusterings += 1
+        self.kmeans_iters += km.iters
+        order = km.order + start
+        if self.centroids is None:
+            self.centroids, self.sizes, self.order = km.centroids, km.sizes, order
+        else:
+            self.centroids = torch.cat([self.centroids, km.centroids], dim=2)
+            self.sizes = torch.cat([self.sizes, km.sizes], dim=2)
+            self.order = torch.cat([self.order, order], dim=2)
+
+    def observe(self, call: AttentionCall) -> None:
+        if self.dense:
+            return
+        if call.valid is not None:
+            raise KVPassError(
+                "kvpass: ClusterKV does not support left-padded batches (padding would be clustered with "
+                "real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
+            )
+        p, length = self.policy, call.length
+        if call.start == 0:
+            self.tail = 0
+            self.centroids = self.sizes = self.order = None
+        self.tail = max(self.tail, min(p.sinks, length))
+        if call.new_tokens > 1 or call.start == 0:
+            # (chunked) prefill, or a cache filled elsewhere being adopted: the new tail is clustered at
+            # the prompt's granularity
+            end = length
+            if end - self.tail < p.tokens_per_cluster:
+                return
+            clusters = (end - self.tail) // p.tokens_per_cluster
+        else:
+            if self.offloading:
+                return  # decode-time clustering runs in fetch, on the device tier
+            # decode: the window of generated tokens before the current one (which stays recent, so a
+            # step always attends to its own token)
+            end = length - 1
+            if end - self.tail < p.decode_window:
+                return
+            clusters = p.decode_clusters
+        self._cluster(call.k[:, :, self.tail : end], self.tail, clusters)
+        self.tail = end
+
+    # -- selection -------------------------------------------------------------------------------
+    def cluster_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, C) fp32: q·μ of each cluster for the decode query ``q (B, H_q, 1, D)``, the
+        query group combined by ``policy.gqa``."""
+        b, h_kv, _, d = self.centroids.shape
+        q = q[:, :, 0].reshape(b, h_kv, -1, d).float()
+        if self.policy.gqa == "sum":
+            return torch.matmul(self.centroids, q.sum(2)[..., None])[..., 0]
+        return torch.matmul(q, self.centroids.transpose(-1, -2)).amax(2)
+
+    def _plan(self, q: torch.Tensor, length: int):
+        """The step's selection: ``(n_sinks, cluster positions (B, H_kv, N) or None, n_recent)``, or None
+        when everything is attended."""
+        p = self.policy
+        if self.dense or length <= p.budget:
+            return None
+        from kvpass.lowering.dispatch import select_clusters
+
+        n_sinks = min(p.sinks, length)
+        tail = max(self.tail, n_sinks)
+        # The recent tokens are always attended; more of them than the budget leaves keeps the newest.
+        n_recent = min(length - tail, p.budget - n_sinks)
+        cluster_budget = p.budget - n_sinks - n_recent
+        picked = None
+        if self.centroids is not None and cluster_budget > 0:
+            sizes = self.sizes
+            offsets = torch.nn.functional.pad(sizes.cumsum(-1), (1, 0))
+            picked = select_clusters(self.cluster_scores(q), sizes, offsets, self.order, cluster_budget)
+        return n_sinks, picked, n_recent
+
+    def select(self, call: AttentionCall) -> torch.Tensor | None:
+        plan = self.plan if self.offloading else self._plan(call.q, call.length)
+        if plan is None:
+            return None
+        n_sinks, picked, n_recent = plan
+        b, h_kv = call.k.shape[:2]
+        dev = picked.device if picked is not None else call.k.device
+        parts = [torch.arange(n_sinks, device=dev).expand(b, h_kv, -1)]
+        if picked is not None:
+            parts.append(picked)
+        parts.append(torch.arange(call.length - n_recent, call.length, device=dev).expand(b, h_kv, -1))
+        return torch.cat(parts, dim=-1)
+
+    # -- offload ---------------------------------------------------------------------------------
+    def fetch(self, q: torch.Tensor, past: int) -> torch.Tensor:
+        ticket = super().fetch(q, past)
+        self.plan = None
+        if not self.offloading or q.shape[2] != 1 or past == 0 or self.tier is None:
+            return ticket  # prefill (exact, from the new tokens) or nothing to fetch
+        p, length = self.policy, past + 1
+        end = length - 1  # decode-time clustering of the window before this token, on the device tier
+        if end - self.tail >= p.decode_window and self.tier.rec_start == self.tail:
+            n = end - self.tail
+            self._cluster(self.tier.rec_k[:, :, :n], self.tail, p.decode_clusters)
+            self.tail = end
+        self.plan = self._plan(q, length)
+        if self.plan is not None and self.plan[1] is not None:
+            host_k, host_v = self.store.views()
+            self.bytes_moved += self.tier.fetch(host_k, host_v, self.plan[1], length)
+        return ticket
+
+    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
+        if not self.offloading:
+            return super().forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+        rebuilt = self.store.append(past_k, past_v, k_new, v_new)  # the host tier
+        hk, hv = self.store.views()
+        length, t, dev = hk.shape[2], k_new.shape[2], q.device
+        new_k, new_v = k_new, v_new
+        if rebuilt or t > 1:
+            # prefill attends exactly over every token (the host views; no copy on CPU); observe
+            # clusters the prompt (a new sequence resets the state), and the tokens left unclustered
+            # become the device's recent tokens
+            call = _make_call(q, hk.to(dev), hv.to(dev), attn_mask, scale, is_causal, length,
+                              0 if rebuilt else length - t)
+            self.plan = None
+            out = self.forward(call, owned=True)
+            if rebuilt:
+                # a new sequence (or an adopted cache): the sinks go to the device tier once
+                n_s = min(self.policy.sinks, length)
+                self.tier = DeviceTier(hk[:, :, :n_s].to(dev), hv[:, :, :n_s].to(dev), self.policy.cache_steps,
+                                       self.policy.budget)
+                self.tier.rec_start = n_s
+                new_k, new_v = hk[:, :, n_s:].to(dev), hv[:, :, n_s:].to(dev)
+            self.tier.sync_recent(self.tail, length, new_k, new_v)
+            return out
+        # a decode step: fetch has planned and filled the device tier; the host views give shapes only
+        self.tier.wait()  # sync_recent may move tokens the fetch's clustering read
+        self.tier.sync_recent(self.tail, length, new_k, new_v)
+        return self.forward(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, length - t), owned=True)
+
+    def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        if not self.offloading:
+            return super().attend_selected(call, idx)
+        from kvpass.lowering.dispatch import sparse_attention
+
+        n_sinks, picked, n_recent = self.plan
+        tier = self.tier
+        tier.wait()
+        rk, rv = tier.recent(n_recent)
+        ks, vs = [tier.sink_k[:, :, :n_sinks]], [tier.sink_v[:, :, :n_sinks]]
+        if picked is not None:
+            ks.append(tier.ring_k[tier.cur, :, :, : tier.n_cur])
+            vs.append(tier.ring_v[tier.cur, :, :, : tier.n_cur])
+        k = torch.cat(ks + [rk], dim=2)
+        v = torch.cat(vs + [rv], dim=2)
+        out = sparse_attention(call.q[:, :, 0], k, v, None, None, call.scale)
+        return out.unsqueeze(2)
+
+    def row(self):
+        r = super().row()
+        r["clusters"] = 0 if self.sizes is None else int(self.sizes.shape[-1])
+        r["dense"] = self.dense
+        if self.tier is not None:
+            r["hit_rate"] = self.tier.hits / self.tier.recalled if self.tier.recalled else float("nan")
+        return r
