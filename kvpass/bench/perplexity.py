@@ -28,6 +28,7 @@ recompiles); Full runs first and is the reference for ``delta``.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import time
@@ -60,15 +61,23 @@ def _nll(logits: torch.Tensor, target: torch.Tensor) -> float:
     return -torch.log_softmax(logits.float(), dim=-1)[target].item()
 
 
-def _run_one(fwd, ids: torch.Tensor, prefix: int, progress: bool, label: str) -> list[float]:
-    """Prefill ``ids[:, :prefix]``, then decode ``ids[:, prefix:-1]`` one token at a time; returns the
-    NLL of each of ``ids[0, prefix:]``."""
+def _prefill(fwd, ids: torch.Tensor, prefix: int):
+    """``(NLL of ids[0, prefix], cache)`` after prefilling ``ids[:, :prefix]`` with ``fwd``."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    out = fwd(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nlls = [_nll(out.logits[0, -1], ids[0, prefix])]
-    cache = out.past_key_values
+    out = fwd(input_ids=ids[:, :prefix], past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    return _nll(out.logits[0, -1], ids[0, prefix]), out.past_key_values
+
+
+def _run_one(fwd, ids: torch.Tensor, prefix: int, progress: bool, label: str, shared=None) -> list[float]:
+    """Prefill ``ids[:, :prefix]`` (or continue from ``shared``, what :func:`_prefill` returned for an
+    exact prefill: a copy of its cache is adopted by the policy at the first decode step), then decode
+    ``ids[:, prefix:-1]`` one token at a time; returns the NLL of each of ``ids[0, prefix:]``."""
+    if shared is None:
+        first, cache = _prefill(fwd, ids, prefix)
+    else:
+        first, cache = shared[0], copy.deepcopy(shared[1])
+    nlls = [first]
     steps = range(prefix, ids.shape[1] - 1)
     if progress:
         from tqdm.auto import tqdm
@@ -91,6 +100,7 @@ def perplexity_of_ids(
     progress: bool = False,
     compiled=None,
     warmup: bool = True,
+    share_prefill: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Token-by-token perplexity of ``ids`` ``(1, W)`` for each policy (the text-free core).
 
@@ -108,6 +118,9 @@ def perplexity_of_ids(
         warmup: first run Full on the window's first 8 tokens (prefill 5, decode 3), which compiles
             every graph (prefill, first decode, symbolic-length decode), so that ``seconds`` measures
             the runs and not the compilation.
+        share_prefill: prefill the context once, exactly, with the model's own forward (every policy
+            attends exactly at prefill) and start each policy from a copy of that cache; ``seconds``
+            then counts the decode steps only. False: each policy prefills through the backend.
 
     Returns:
         ``{policy.describe(): {"ppl", "nll", "tokens", "window", "delta", "delta_nll", "seconds"}}``:
@@ -140,9 +153,13 @@ def perplexity_of_ids(
 
     results: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
+        eager = type(model).forward.__get__(model)  # model.forward may be the compiled one
         if warmup and window >= 8:
             backend.set_policy(full)
             _run_one(compiled, ids[:, :8], 5, False, "warm-up")
+            if share_prefill:
+                _run_one(compiled, ids[:, :8], 5, False, "warm-up", shared=_prefill(eager, ids[:, :8], 5))
+        shared = _prefill(eager, ids, prefix) if share_prefill else None
         for p in ordered:
             fwd = compiled
             try:
@@ -151,7 +168,7 @@ def perplexity_of_ids(
                 warnings.warn(f"{err}; compiling a separate backend for it", stacklevel=2)
                 fwd = torch.compile(model.forward, backend=kvpass(p), dynamic=True)
             start = time.perf_counter()
-            nlls = _run_one(fwd, ids, prefix, progress, p.describe())
+            nlls = _run_one(fwd, ids, prefix, progress, p.describe(), shared=shared)
             nll = sum(nlls) / len(nlls)
             results[p.describe()] = {
                 "ppl": math.exp(nll),
