@@ -10,17 +10,27 @@ FIELDS = {"kernel", "shape", "B", "H_q", "H_kv", "D", "S", "N", "dtype", "device
           "baseline_ms", "speedup", "bytes", "gbps", "baseline_bytes", "baseline_gbps"}
 
 
+KERNELS = {"sparse_decode_attention", "quest_page_scores", "centroid_decode_attention",
+           "quant_decode_attention", "partial_topk", "kmeans_assign", "select_clusters", "merge_round"}
+
+
 def test_quick_cpu_benchmark_rows():
     start = time.perf_counter()
     rows = benchmark_kernels("cpu", quick=True)
     assert time.perf_counter() - start < 30
-    assert len(rows) == 2 * len(QUICK_SHAPES)
-    assert {r["kernel"] for r in rows} == {"sparse_decode_attention", "quest_page_scores"}
+    assert len(rows) == len(KERNELS) * len(QUICK_SHAPES)
+    assert {r["kernel"] for r in rows} == KERNELS
+    # one row per (kernel, shape)
+    assert {(r["kernel"], r["S"], r["H_q"]) for r in rows} == {
+        (k, s.S, s.H_q) for k in KERNELS for s in QUICK_SHAPES
+    }
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
-        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
+        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["bytes"] > 0 and r["gbps"] > 0, r
+        assert r["baseline_bytes"] > 0 and r["baseline_gbps"] > 0 and r["N"] > 0, r
         assert r["device"] == "cpu" and r["impl"] == "torch ref"
-    assert "sparse_decode_attention" in format_table(rows)
+    table = format_table(rows)
+    assert all(k in table for k in KERNELS)
 
 
 def test_sparse_and_dense_agree_when_idx_covers_everything():

@@ -1,23 +1,58 @@
-"""Micro-benchmarks of the kvpass kernels against the dense torch equivalent.
+"""Micro-benchmarks of the kvpass kernels, each against the dense torch equivalent it replaces.
+
+One row per (kernel, shape); ``N`` is what the kernel reads or returns (see each entry). Baselines:
 
 - ``sparse_decode_attention``: one decode query per head over ``N`` gathered positions of an
   ``S``-token cache, against dense SDPA over all ``S`` keys
   (``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)``, q ``(B, H_q, 1, D)``).
-- ``quest_page_scores``: Quest page upper bounds over ``S / page_size`` pages; on CUDA the Triton
+- ``quest_page_scores``: Quest page upper bounds over ``N = S / page_size`` pages; on CUDA the Triton
   launcher against :func:`quest_page_scores_ref`, on CPU the reference against the plain broadcast
   formula ``sum_d max(q_d kmax_d, q_d kmin_d)`` (what a direct port would do).
+- ``centroid_decode_attention`` (CentroidKV): attention with the ``log deg`` bias over a merged cache
+  of ``N = S / 4`` slots with random degrees in ``[1, 7]`` (mean 4, so about S tokens), against
+  dense SDPA over all ``S`` keys (the Full cache it replaces).
+- ``quant_decode_attention`` (TailorKV): a 1-bit cache of ``N = S_q`` tokens (S rounded down to a
+  multiple of the group 64; keys ``axis="channel"``, values ``axis="token"``, packed once outside the
+  timing with :func:`quantize_pack_ref`) plus a full-precision residual of ``R = 128`` tokens, against
+  dense SDPA over ``S`` fp keys.
+- ``partial_topk`` (TailorKV): scores from ``n = 8`` critical channels of the ``S`` keys (``k_ch``
+  ``(B, H_kv, S, 8)``, gathered outside the timing) and the top ``k = N`` positions, against the dense
+  route: full ``q K^T`` scores summed over the query group, then ``torch.topk(N)``.
+- ``kmeans_assign`` (ClusterKV): one assignment of the ``S`` keys to ``N = C = S // 80`` centroids,
+  against one dense ``q K^T`` over ``S`` (what a decode step's full scoring costs). A *cost reference*,
+  not an equivalent: the assignment runs once per (re)clustering, not per decode step.
+- ``select_clusters`` (ClusterKV): budgeted recall of whole clusters (``C = S // 80`` clusters of
+  random sizes, budget ``N``), against ``torch.topk(N)`` over ``S`` fp32 token scores (the
+  token-level selection it replaces).
+- ``merge_round`` (CentroidKV): one merge round, :func:`chunk_match` over the ``S`` keys (chunk 256,
+  no sinks or recent slots) + :func:`merge_scatter` of half the pairs (``N = S / 4`` merges), against
+  dense SDPA over ``S`` (a cost reference: a round runs once per merge, not per decode step).
 
 On CPU the references (the CPU decode path) are timed with ``torch.utils.benchmark.Timer``
-(``blocked_autorange``, median); on CUDA the Triton launchers with ``triton.testing.do_bench``
-(median). Each row also gives the bytes the kernel must move at least and the achieved bandwidth;
-on CUDA against the device's peak (see :func:`peak_bandwidth`).
+(``blocked_autorange``, median); on CUDA the Triton launchers (``use_triton=True`` where the op has
+a switch) with ``triton.testing.do_bench`` (median). Each row also gives the bytes the kernel must
+move at least and the achieved bandwidth; on CUDA against the device's peak (see
+:func:`peak_bandwidth`). ``el`` is the element size of ``dtype``, ``BH = B*H_kv``, ``io = 2*B*H_q*D*el``
+(q and out):
 
-Bytes moved (lower bounds, each tensor read or written once):
-- sparse: the gathered K and V rows ``B*H_kv*N*(D+Dv)`` + q + out + idx (int32 or int64);
-- dense SDPA: all K and V rows ``B*H_kv*S*(D+Dv)`` + q + out;
-- quest: kmin and kmax of the live pages ``2*B*H_kv*P*D`` + q + the fp32 scores ``B*H_q*P``.
+- sparse: the gathered K and V rows ``BH*N*2*D*el`` + io + idx (int32);
+- dense SDPA: all K and V rows ``BH*S*2*D*el`` + io;
+- quest: kmin and kmax of the live pages ``2*BH*P*D*el`` + q + the fp32 scores ``B*H_q*P``;
+- centroid: ``BH*N*(2*D*el + 4)`` (K, V and fp32 degrees of the merged slots) + io;
+- quant: the packed codes, fp16 scales and zeros of K and V (``QuantizedKV.nbytes``, about
+  ``BH*S_q*2*D/8`` + ``BH*S_q*2*D/64*2*2``) + the residual ``BH*R*2*D*el`` + io;
+- partial_topk: ``BH*S*(8*el + 4)`` (k_ch and the fp32 scores) + q + ch (int64) + idx ``BH*N*8``;
+  its dense route: K ``BH*S*D*el`` + q + idx;
+- kmeans_assign: keys + fp32 centroids + int64 labels + fp32 sim, ``BH*(S*(D*el + 12) + C*D*4)``;
+  the dense ``q K^T``: K + q + scores ``B*H_q*S*el``;
+- select_clusters: fp32 scores, int64 sizes and offsets ``BH*(20*C + 8)`` + the recalled order
+  entries and the int64 output ``BH*N*16``; ``torch.topk``: scores ``BH*S*4`` + values and indices
+  ``BH*N*12``;
+- merge_round: chunk_match reads K and writes (a_pos, b_pos, sim) ``BH*(S*D*el + NA*20)``;
+  merge_scatter reads K, V, degrees and the pairs and writes the compacted cache,
+  ``BH*((2*S - N)*(2*D*el + 4) + NA*17)`` (NA = S / 2 candidate pairs).
 
-``python -m kvpass.bench.kernels [--quick] [--device cpu|cuda]`` prints the table.
+``python -m kvpass.bench.kernels [--quick] [--device cpu|cuda] [--threads T]`` prints the table.
 """
 
 from __future__ import annotations
@@ -177,6 +212,29 @@ def _quest_broadcast(q, kmin, kmax):
     return s.view(B, H_q, -1)
 
 
+def _dense_scores_topk(q, k, n):
+    """The dense route of :func:`partial_topk`: full ``q K^T`` summed over each KV head's query group,
+    then ``torch.topk``. q ``(B, H_q, D)``, k ``(B, H_kv, S, D)`` -> indices ``(B, H_kv, n)``."""
+    B, H_q, D = q.shape
+    H_kv = k.shape[1]
+    s = torch.matmul(q.view(B, H_kv, H_q // H_kv, D), k.transpose(-1, -2)).float().sum(2)
+    return torch.topk(s, n, dim=-1).indices
+
+
+def _cluster_inputs(s: Shape, device: str, seed: int = 2):
+    """A clustering of the S tokens of every KV head into ``C = S // 80`` clusters of random sizes:
+    ``(scores (B, H_kv, C) fp32, sizes, offsets, order)`` as :func:`select_clusters` takes them."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    C = max(1, s.S // 80)
+    labels = torch.randint(0, C, (s.B, s.H_kv, s.S), generator=g)
+    sizes = torch.zeros((s.B, s.H_kv, C), dtype=torch.int64).scatter_add_(2, labels, torch.ones_like(labels))
+    offsets = torch.zeros((s.B, s.H_kv, C + 1), dtype=torch.int64)
+    torch.cumsum(sizes, dim=-1, out=offsets[..., 1:])
+    order = torch.sort(labels, dim=-1, stable=True).indices
+    scores = torch.randn((s.B, s.H_kv, C), generator=g)
+    return tuple(t.to(device) for t in (scores, sizes, offsets, order))
+
+
 def benchmark_kernels(
     device: str = "cpu", shapes=None, quick: bool = False, dtype: torch.dtype | None = None
 ) -> list[dict]:
@@ -201,7 +259,7 @@ def benchmark_kernels(
     timer = _time_cuda if cuda else _time_cpu
     el = torch.empty((), dtype=dtype).element_size()
     peak, _ = peak_bandwidth(torch.device(device)) if cuda else (None, "")
-    from kvpass.kernels import quest
+    from kvpass.kernels import centroid, clusterkv, quest, tailorkv
 
     rows: list[dict] = []
 
@@ -223,8 +281,81 @@ def benchmark_kernels(
             io = (s.B * s.H_q * s.D * 2) * el  # q and out
             nbytes = s.B * s.H_kv * s.N * 2 * s.D * el + io + idx.numel() * idx.element_size()
             dense_bytes = s.B * s.H_kv * s.S * 2 * s.D * el + io
-            add("sparse_decode_attention", s, "triton" if cuda else "torch ref", timer(sparse, quick),
-                "dense SDPA over S", timer(dense, quick), nbytes, dense_bytes)
+            impl = "triton" if cuda else "torch ref"
+            dense_ms = timer(dense, quick)  # the baseline of every attention-shaped row of this shape
+            add("sparse_decode_attention", s, impl, timer(sparse, quick),
+                "dense SDPA over S", dense_ms, nbytes, dense_bytes)
+            g = torch.Generator(device="cpu").manual_seed(3)
+            BH, G = s.B * s.H_kv, s.H_q // s.H_kv
+
+            # CentroidKV decode: S / 4 merged slots with degrees in [1, 7] (about S tokens in all)
+            Sm = max(1, s.S // 4)
+            km, vm = k[:, :, :Sm].contiguous(), v[:, :, :Sm].contiguous()
+            deg = torch.randint(1, 8, (s.B, s.H_kv, Sm), generator=g).float().to(device)
+            scale = 1.0 / math.sqrt(s.D)
+            cda = centroid.centroid_decode_attention
+            fn = lambda: cda(q, km, vm, deg, scale=scale, use_triton=cuda)  # noqa: E731
+            add("centroid_decode_attention", s, impl, timer(fn, quick), "dense SDPA over S", dense_ms,
+                BH * Sm * (2 * s.D * el + 4) + io, dense_bytes, {"N": Sm})
+            del km, vm, deg
+
+            # TailorKV 1-bit cache (group 64) + a 128-token fp residual
+            Sq, R = s.S // 64 * 64, 128
+            vgroup = 64 if s.D % 64 == 0 else s.D
+            kq = tailorkv.quantize_pack_ref(k[:, :, :Sq], 1, 64, "channel")
+            vq = tailorkv.quantize_pack_ref(v[:, :, :Sq], 1, vgroup, "token")
+            k_res = torch.randn(s.B, s.H_kv, R, s.D, generator=g).to(device, dtype)
+            v_res = torch.randn(s.B, s.H_kv, R, s.D, generator=g).to(device, dtype)
+            quant = tailorkv.quant_decode_attention if cuda else tailorkv.quant_decode_attention_ref
+            fn = lambda: quant(q, kq, vq, k_res, v_res, scale=scale)  # noqa: E731
+            add("quant_decode_attention", s, impl, timer(fn, quick), "dense SDPA over S", dense_ms,
+                kq.nbytes() + vq.nbytes() + 2 * BH * R * s.D * el + io, dense_bytes, {"N": Sq})
+            del kq, vq, k_res, v_res
+
+            # TailorKV partial-channel top-k: 8 critical channels, k = N
+            n_ch = min(8, s.D)
+            ch = tailorkv.critical_channels(q, k.abs().amax(dim=2), n_ch)
+            k_ch = torch.gather(k, 3, ch[:, :, None, :].expand(s.B, s.H_kv, s.S, n_ch)).contiguous()
+            topk = tailorkv.partial_topk if cuda else tailorkv.partial_topk_ref
+            fn = lambda: topk(q, k_ch, ch, s.N)  # noqa: E731
+            base = lambda: _dense_scores_topk(q, k, s.N)  # noqa: E731
+            qb, idx_b = s.B * s.H_q * s.D * el, BH * s.N * 8
+            add("partial_topk", s, impl, timer(fn, quick), "q.K^T + topk", timer(base, quick),
+                BH * s.S * (n_ch * el + 4) + qb + BH * n_ch * 8 + idx_b,
+                BH * s.S * s.D * el + qb + idx_b)
+            del ch, k_ch
+
+            # ClusterKV assignment of the S keys to C = S // 80 centroids (cost reference: one q.K^T)
+            C = max(1, s.S // 80)
+            cents = torch.randn(s.B, s.H_kv, C, s.D, generator=g).to(device)
+            assign = clusterkv.kmeans_assign if cuda else clusterkv.kmeans_assign_ref
+            fn = lambda: assign(k, cents)  # noqa: E731
+            q4g = q.view(s.B, s.H_kv, G, s.D)
+            base = lambda: torch.matmul(q4g, k.transpose(-1, -2))  # noqa: E731
+            add("kmeans_assign", s, impl, timer(fn, quick), "q.K^T (cost ref)", timer(base, quick),
+                BH * (s.S * (s.D * el + 12) + C * s.D * 4), BH * s.S * s.D * el + qb + s.B * s.H_q * s.S * el,
+                {"N": C})
+            del cents
+
+            # ClusterKV budgeted cluster recall vs token-level topk
+            scores, sizes, offsets, order = _cluster_inputs(s, device)
+            tok = torch.randn(s.B, s.H_kv, s.S, generator=g).to(device)
+            select = clusterkv.select_clusters if cuda else clusterkv.select_clusters_ref
+            fn = lambda: select(scores, sizes, offsets, order, s.N)  # noqa: E731
+            base = lambda: torch.topk(tok, s.N, dim=-1)  # noqa: E731
+            add("select_clusters", s, impl, timer(fn, quick), "topk over S", timer(base, quick),
+                BH * (20 * scores.shape[2] + 8 + 16 * s.N), BH * (4 * s.S + 12 * s.N))
+            del scores, sizes, offsets, order, tok
+
+            # CentroidKV merge round: chunk_match (chunk 256) + merge_scatter of half the pairs
+            ones = torch.ones(s.B, s.H_kv, s.S, device=device)
+            NA = centroid.num_candidates(0, s.S, 256)
+            fn = lambda: centroid.merge_round(k, v, ones, 0, 0, 256, 0.5, use_triton=cuda)  # noqa: E731
+            m = fn().merged
+            add("merge_round", s, impl, timer(fn, quick), "dense SDPA (cost ref)", dense_ms,
+                BH * (s.S * s.D * el + NA * 20) + BH * ((2 * s.S - m) * (2 * s.D * el + 4) + NA * 17),
+                dense_bytes, {"N": m})
+            del ones
             del q, k, v, idx, sparse, dense
 
             qq, kmin, kmax = _quest_inputs(s, device, dtype)
@@ -279,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         head += f" ({torch.get_num_threads()} threads; torch reference path)"
     print(head)
-    print("quest_page_scores: N is the page count P = S / page_size; gbps = bytes moved / time")
+    print("N: positions read or returned (quest: pages S/page_size; centroid: merged slots; quant: 1-bit "
+          "tokens, + 128 fp; kmeans_assign: centroids; merge_round: pairs merged)")
+    print("gbps = bytes moved / time; (cost ref) baselines are a scale, not the same result")
     print(format_table(rows))
     return 0
 

@@ -35,7 +35,7 @@ except Exception:  # ImportError, or a broken install raising something else at 
     )
     tl = types.SimpleNamespace(constexpr=object)
 
-__all__ = ["HAS_TRITON", "triton", "tl", "triton_available", "interpreting"]
+__all__ = ["HAS_TRITON", "triton", "tl", "triton_available", "require_triton", "interpreting"]
 
 
 def interpreting() -> bool:
@@ -47,3 +47,13 @@ def triton_available(t: torch.Tensor) -> bool:
     """True when a Triton kernel can run on ``t``: Triton imports and ``t`` is on CUDA, or the
     interpreter is on (then CPU tensors work too)."""
     return HAS_TRITON and (t.is_cuda or interpreting())
+
+
+def require_triton(t: torch.Tensor, who: str, ref: str) -> None:
+    """Raise the launchers' common error when a Triton kernel cannot run on ``t``; ``ref`` names the
+    torch reference to use instead."""
+    if not triton_available(t):
+        raise RuntimeError(
+            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
+            f"{t.device} (HAS_TRITON={HAS_TRITON}); use {ref} on CPU"
+        )

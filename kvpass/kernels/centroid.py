@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton, triton_available
+from ._triton import require_triton, tl, triton, triton_available
 from .sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
 
 __all__ = [
@@ -65,12 +65,7 @@ _MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _need_triton(t: torch.Tensor, who: str, ref: str) -> None:
-    if not triton_available(t):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{t.device} (HAS_TRITON={HAS_TRITON}); use {ref} on CPU"
-        )
+_need_triton = require_triton
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAS_TRITON, interpreting, tl, triton, triton_available
+from ._triton import interpreting, require_triton, tl, triton
 
 __all__ = [
     "KMeans",
@@ -64,11 +64,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _need_triton(t: torch.Tensor, who: str) -> None:
-    if not triton_available(t):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{t.device} (HAS_TRITON={HAS_TRITON}); use {who}_ref on CPU"
-        )
+    require_triton(t, who, f"{who}_ref")
 
 
 def _check_block(value: int, name: str, who: str) -> None:

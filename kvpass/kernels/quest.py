@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton, triton_available
+from ._triton import require_triton, tl, triton
 
 __all__ = [
     "quest_page_minmax_ref",
@@ -251,11 +251,7 @@ def quest_page_scores(
     """
     who = "quest_page_scores"
     num_pages = _check_scores_inputs(q, kmin, kmax, num_pages, who)
-    if not triton_available(q):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{q.device} (HAS_TRITON={HAS_TRITON}); use quest_page_scores_ref on CPU"
-        )
+    require_triton(q, who, "quest_page_scores_ref")
     if block_p < 16 or block_p & (block_p - 1):
         raise ValueError(f"kvpass: {who} needs block_p to be a power of two >= 16, got {block_p}")
     B, H_q, D = q.shape

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton, triton_available
+from ._triton import require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
@@ -262,11 +262,7 @@ def sparse_decode_attention(
     """
     who = "sparse_decode_attention"
     _check_inputs(q, k, v, idx, bias, who)
-    if not triton_available(q):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{q.device} (HAS_TRITON={HAS_TRITON}); use sparse_decode_attention_ref on CPU"
-        )
+    require_triton(q, who, "sparse_decode_attention_ref")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"kvpass: {who} needs block_n to be a power of two >= 16, got {block_n}")
     if num_splits is not None and num_splits < 1:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton, triton_available
+from ._triton import require_triton, tl, triton
 
 __all__ = [
     "QuantizedKV",
@@ -247,11 +247,7 @@ def quantize_pack(
     """
     who = "quantize_pack"
     _check_quant_args(x, bits, group_size, axis, who)
-    if not triton_available(x):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{x.device} (HAS_TRITON={HAS_TRITON}); use quantize_pack_ref on CPU"
-        )
+    require_triton(x, who, "quantize_pack_ref")
     if block_r is not None and (block_r < 1 or block_r & (block_r - 1)):
         raise ValueError(f"kvpass: {who} needs block_r to be a power of two (or None), got {block_r}")
     qkv = _empty_qkv(x, bits, group_size, axis)
@@ -553,11 +549,7 @@ def quant_decode_attention(
     """
     who = "quant_decode_attention"
     _check_attention_inputs(q, kq, vq, k_res, v_res, who)
-    if not triton_available(q):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{q.device} (HAS_TRITON={HAS_TRITON}); use quant_decode_attention_ref on CPU"
-        )
+    require_triton(q, who, "quant_decode_attention_ref")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"kvpass: {who} needs block_n to be a power of two >= 16, got {block_n}")
     B, H_q, D = q.shape
@@ -778,11 +770,7 @@ def partial_topk(
     """
     who = "partial_topk"
     length = _check_topk_inputs(q, k_ch, ch, k, length, who)
-    if not triton_available(q):
-        raise RuntimeError(
-            f"kvpass: {who} needs Triton and a CUDA tensor (or TRITON_INTERPRET=1), got a tensor on "
-            f"{q.device} (HAS_TRITON={HAS_TRITON}); use partial_topk_ref on CPU"
-        )
+    require_triton(q, who, "partial_topk_ref")
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"kvpass: {who} needs block_s to be a power of two >= 16, got {block_s}")
     B, H_q, D = q.shape
