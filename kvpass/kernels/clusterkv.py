@@ -425,8 +425,19 @@ def cosine_kmeans(
         raise ValueError(f"kvpass: {who} needs 1 <= num_clusters <= N={N}, got num_clusters={num_clusters}")
     if max_iters < 1:
         raise ValueError(f"kvpass: {who} needs max_iters >= 1, got {max_iters}")
-    assign = kmeans_assign if use_triton else kmeans_assign_ref
-    update = centroid_update if use_triton else centroid_update_ref
+    if use_triton:
+        assign, update = kmeans_assign, centroid_update
+    else:
+        # The CPU path normalises the keys once, not in every iteration (the directions are unit
+        # vectors already): the same assignments as kmeans_assign_ref, about a third less work.
+        unit = _unit(keys)
+
+        def assign(_keys, dirs):
+            best, labels = torch.matmul(unit, dirs.transpose(-1, -2)).max(dim=-1)
+            return labels, best
+
+        def update(_keys, labels, num, normalize):
+            return centroid_update_ref(unit if normalize else _keys, labels, num, False)
     dev = keys.device
 
     gen = torch.Generator(device=dev)
