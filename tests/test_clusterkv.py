@@ -228,6 +228,32 @@ def offload_run(cache_steps):
     return row["hit_rate"]
 
 
+def test_offload_adopts_a_cache_filled_elsewhere_like_the_plain_path():
+    """A decode step whose past is a real cache (an eager prefill, the bench's shared prefill) is
+    adopted: metadata and device tier are built there, and the step is a compressed one in both modes."""
+    from kvpass.runtime.store import make_stub
+
+    kw = dict(budget=48, sinks=4, tokens_per_cluster=12, dense_layers=(), decode_window=8, decode_clusters=2)
+    g = torch.Generator().manual_seed(0)
+    k, v = clustered_keys(seed=7)((1, 2, 200, 16)), torch.randn(1, 2, 200, 16, generator=g)
+    steps = [(torch.randn(1, 6, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g),
+              torch.randn(1, 2, 1, 16, generator=g)) for _ in range(12)]
+    runs = {}
+    for offload in (False, True):
+        rt = Runtime(ClusterKV(**kw, offload=offload))
+        length, res = 200, []
+        for i, (q1, kn, vn) in enumerate(steps):
+            pk, pv = (k, v) if i == 0 else (make_stub(kn, length), make_stub(vn, length))
+            ticket = rt.fetch(0, q1, pk) if offload else None
+            res.append((rt.attend_owned(0, q1, kn, vn, pk, pv, None, 0.0, False, ticket), rt.state(0).last_idx))
+            length += 1
+        runs[offload] = res
+    for (a, ia), (b, ib) in zip(runs[False], runs[True]):
+        assert ia is not None and torch.equal(ia, ib)
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+    assert runs[False][0][1][0, 0, -1].item() == 200  # the adopting step attends its own token
+
+
 def test_offload_attends_the_same_tokens_from_the_device_tier():
     # keeping more steps' clusters on the device can only turn misses into hits
     assert offload_run(cache_steps=3) >= offload_run(cache_steps=1)

@@ -166,7 +166,7 @@ def perplexity_of_ids(
                 backend.set_policy(p)
             except KVPassError as err:
                 warnings.warn(f"{err}; compiling a separate backend for it", stacklevel=2)
-                fwd = torch.compile(model.forward, backend=kvpass(p), dynamic=True)
+                fwd = torch.compile(eager, backend=kvpass(p), dynamic=True)
             start = time.perf_counter()
             nlls = _run_one(fwd, ids, prefix, progress, p.describe(), shared=shared)
             nll = sum(nlls) / len(nlls)

@@ -457,7 +457,8 @@ def run_perplexity(
     """Perplexity of ``pydoc_data.topics`` prose (:func:`kvpass.bench.perplexity.perplexity`) for every
     policy at every window, one compiled backend; rows (``model, policy, policy_name, budget, window,
     eval_tokens, ppl, nll, delta, delta_nll, seconds, machine, command, finished``) appended to
-    ``out_dir/perplexity.jsonl``. A (model, window, eval_tokens) whose rows are all there is skipped."""
+    ``out_dir/perplexity.jsonl``. Rows already there are not run again (Full, the reference of the deltas,
+    is run whenever another policy of the window is)."""
     from kvpass import kvpass
     from kvpass.bench.perplexity import perplexity
     from kvpass.policies.full import Full
@@ -474,13 +475,15 @@ def run_perplexity(
         backend = kvpass(Full())
     for w in windows:
         w = min(int(w), max_pos)
-        if all((model_name, p.describe(), w, eval_tokens) in done for p in policies):
+        todo = [p for p in policies if (model_name, p.describe(), w, eval_tokens) not in done]
+        if not todo:
             continue
         if progress:
             print(f"kvpass bench: perplexity, window {w}, last {eval_tokens} tokens scored, "
-                  f"{len(policies)} policies", flush=True)
-        res = perplexity(model, tokenizer, backend, policies, w, eval_tokens, progress=progress, compiled=compiled)
-        for p in policies:
+                  f"{len(todo)} policies", flush=True)
+        # Full is always run: the deltas are to Full of the same run
+        res = perplexity(model, tokenizer, backend, todo, w, eval_tokens, progress=progress, compiled=compiled)
+        for p in todo:
             r = res[p.describe()]
             _append(path, {
                 "model": model_name, "policy": p.describe(), "policy_name": policy_label(p), "budget": policy_budget(p),

@@ -18,6 +18,8 @@ selected in the last ``cache_steps`` steps; each step's ``kvpass::fetch`` copies
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvpass.runtime.state import AttentionCall, KVPassError, SiteState, _make_call
@@ -222,8 +224,8 @@ class ClusterState(SiteState):
         self.tail = max(self.tail, min(p.sinks, length))
         if call.new_tokens > 1 or call.start == 0:
             # (chunked) prefill, or a cache filled elsewhere being adopted: the new tail is clustered at
-            # the prompt's granularity
-            end = length
+            # the prompt's granularity (an adopting decode step keeps its own token recent)
+            end = length if call.new_tokens > 1 else length - 1
             if end - self.tail < p.tokens_per_cluster:
                 return
             clusters = (end - self.tail) // p.tokens_per_cluster
@@ -307,6 +309,19 @@ class ClusterState(SiteState):
         hk, hv = self.store.views()
         length, t, dev = hk.shape[2], k_new.shape[2], q.device
         new_k, new_v = k_new, v_new
+        if rebuilt and t == 1:
+            # a decode step on a cache filled elsewhere (adopted): build the metadata and the device
+            # tier from the host tier, then plan and fetch as the fetch op would have, and attend as any
+            # decode step does
+            t0 = time.perf_counter()
+            self.reset()
+            self.observe(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, 0))
+            self._new_tier(hk, hv, length, dev)
+            self.plan = self._plan(q, length)
+            if self.plan is not None and self.plan[1] is not None:
+                self.bytes_moved += self.tier.fetch(hk, hv, self.plan[1], length)
+            self.overhead_prefill_s += time.perf_counter() - t0
+            return self.forward(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, length - t), owned=True)
         if rebuilt or t > 1:
             # prefill attends exactly over every token (the host views; no copy on CPU); observe
             # clusters the prompt (a new sequence resets the state), and the tokens left unclustered
@@ -316,18 +331,23 @@ class ClusterState(SiteState):
             self.plan = None
             out = self.forward(call, owned=True)
             if rebuilt:
-                # a new sequence (or an adopted cache): the sinks go to the device tier once
-                n_s = min(self.policy.sinks, length)
-                self.tier = DeviceTier(hk[:, :, :n_s].to(dev), hv[:, :, :n_s].to(dev), self.policy.cache_steps,
-                                       self.policy.budget)
-                self.tier.rec_start = n_s
-                new_k, new_v = hk[:, :, n_s:].to(dev), hv[:, :, n_s:].to(dev)
-            self.tier.sync_recent(self.tail, length, new_k, new_v)
+                self._new_tier(hk, hv, length, dev)
+            else:
+                self.tier.sync_recent(self.tail, length, new_k, new_v)
             return out
         # a decode step: fetch has planned and filled the device tier; the host views give shapes only
         self.tier.wait()  # sync_recent may move tokens the fetch's clustering read
         self.tier.sync_recent(self.tail, length, new_k, new_v)
         return self.forward(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, length - t), owned=True)
+
+    def _new_tier(self, hk: torch.Tensor, hv: torch.Tensor, length: int, dev: torch.device) -> None:
+        """A new sequence: the sinks go to the device tier once, and the tokens not clustered (from the
+        host tier's copy) become its recent tokens."""
+        n_s = min(self.policy.sinks, length)
+        self.tier = DeviceTier(hk[:, :, :n_s].to(dev), hv[:, :, :n_s].to(dev), self.policy.cache_steps,
+                               self.policy.budget)
+        self.tier.rec_start = n_s
+        self.tier.sync_recent(self.tail, length, hk[:, :, n_s:].to(dev), hv[:, :, n_s:].to(dev))
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
         if not self.offloading:
