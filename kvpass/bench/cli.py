@@ -11,9 +11,10 @@ grid, :mod:`kvpass.bench.perplexity`) into ``OUT/perplexity.jsonl`` and kernel m
 (:mod:`kvpass.bench.kernels`) into ``OUT/kernels.jsonl``; both appear on the page.
 
 ``--quick``: contexts 2048,4096, budgets 256,1024, tasks single_needle,multi_key_needle,
-variable_tracking, 1 sample: 30 cells; perplexity at 2048 tokens (64 scored); quick kernel shapes. Measured: 10.5 min on 2 cores with ``--threads 1`` while another
-process held one core (compile 146 s, 2k cells ~10 s, 4k cells ~21 s); less on idle cores. ``--model tiny``: a random
-2-layer Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (structure only).
+variable_tracking, 1 sample, the 9 default policies: 54 cells; perplexity at 2048 tokens (64 scored); quick
+kernel shapes. Measured: 500 s on 2 idle cores (compile 116 s; ``kvpass bench --quick --out bench_out/quick3``),
+728 s with ``--threads 1`` while another process held the other core. ``--model tiny``: a random 2-layer
+Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (structure only).
 """
 
 from __future__ import annotations
