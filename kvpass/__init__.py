@@ -9,7 +9,16 @@ time a backend is built.
 """
 
 from kvpass.api import KVPassBackend, KVPassError, kvpass
-from kvpass.policies import CentroidKV, ClusterKV, Full, Policy, Quest, StreamingLLM, policy_from_dict
+from kvpass.policies import (
+    CentroidKV,
+    ClusterKV,
+    Full,
+    Policy,
+    Quest,
+    StreamingLLM,
+    TailorKV,
+    policy_from_dict,
+)
 
 __all__ = [
     "kvpass",
@@ -21,6 +30,7 @@ __all__ = [
     "Quest",
     "ClusterKV",
     "CentroidKV",
+    "TailorKV",
     "policy_from_dict",
 ]
 __version__ = "0.1.0"

@@ -54,6 +54,10 @@ class KVPassBackend:
         # Raised here rather than inside the pass, so that Inductor does not wrap the error.
         for rec in self.graphs[seen:]:
             self._check_unmatched(rec)
+        if self.graphs[seen:] and not any(r.sites or r.unmatched for r in self.graphs):
+            warnings.warn(
+                "kvpass: no attention site found in the compiled graph(s) so far: the model runs exact "
+                "(see backend.report())", stacklevel=2)
         return compiled
 
     # -- called by the graph pass ----------------------------------------------------------------
@@ -99,6 +103,9 @@ class KVPassBackend:
         rows = self.report_rows()
         head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
         if not rows:
+            if self.graphs:
+                return head + (f"\n  no attention site found in {len(self.graphs)} compiled graph(s): the model "
+                               "runs exact (kvpass found no KV-cache update feeding an SDPA node)")
             return head + "\n  no attention site found yet (has the compiled model run?)"
         cols = ["layer", "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
                 "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]

@@ -30,6 +30,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench", "kvpass.bench.cli", "sweep policies x budgets on long-context tasks (resumable); table, plots"),
     ("explain", "kvpass.explain", "show which attention sites the graph pass rewrote, which it left "
                                   "exact and why; optionally dump the rewritten graphs"),
+    ("coverage", "kvpass.coverage", "the model coverage matrix: every decoder family as a tiny random model, "
+                                    "sites per layer, Full vs eager (writes docs/models.md)"),
 ]
 
 #: The compressed policy the demo uses unless told otherwise.

@@ -46,3 +46,13 @@ def smollm2(tmp_path_factory):
     model, tokenizer = load_smollm2(cache_dir=cache_dir, progress=False)
     first_load_s = time.perf_counter() - start
     return SimpleNamespace(cache_dir=cache_dir, model=model, tokenizer=tokenizer, first_load_s=first_load_s)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP's spinning
+    threads made small ops up to 20x slower (measured on decode steps)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -22,11 +22,12 @@ def attend_oracle(q, k, v, sel, scale):
 
 
 def prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed=0, owned=False, rt=None,
-                        keys=None):
+                        keys=None, estimate=None):
     """Drive one site: a prefill, then decode steps; the model's cache (owned=False) or the
     runtime's own store fed with stubs (owned=True), as the two rewrites do. ``rt``: a Runtime to
     use (to inspect its state afterwards); ``keys``: a callable ``(shape) -> keys`` for structured keys
-    (default: standard normal). Returns ``[(q, k, v, out, idx)]`` per decode step."""
+    (default: standard normal); ``estimate``: ``q -> q_hat`` for a prefetching policy's
+    ``kvpass::prefetch`` (default: the true query). Returns ``[(q, k, v, out, idx)]`` per decode step."""
     from kvpass.runtime.store import make_stub
 
     torch.manual_seed(seed)
@@ -45,6 +46,8 @@ def prefill_then_decode(policy, b=2, hkv=2, g=3, d=16, length=150, steps=3, seed
         q1 = torch.randn(b, hkv * g, 1, d)
         if owned:
             stub = make_stub(kn, k.shape[2])
+            if policy.prefetches:  # what kvpass::prefetch does one layer early
+                rt.prefetch(0, q1 if estimate is None else estimate(q1), stub, estimate is not None)
             ticket = rt.fetch(0, q1, stub) if policy.fetches else None  # what kvpass::fetch does first
             out = rt.attend_owned(0, q1, kn, vn, stub, stub, None, 0.0, False, ticket)
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)

@@ -129,3 +129,34 @@ def test_results_jsonl_ignores_a_torn_line(tmp_path):
     row = {"model": "m", "policy": "Full()", "context": 1, "task": "t", "sample": 0, "seed": 0, "haystack": "prose"}
     (tmp_path / RESULTS).write_text(json.dumps(row) + "\n" + '{"model": "m", "pol')
     assert load_results(tmp_path / RESULTS) == [row]
+
+
+@pytest.mark.slow  # needs the bundled SmolLM2 (its tokenizer)
+def test_bench_calibrates_tailorkv_once_and_reports_its_layers(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPASS_CACHE", str(smollm2.cache_dir))
+    out = tmp_path / "out"
+    page = tmp_path / "results.md"
+    argv = ["bench", "--model", "tiny", "--out", str(out), "--contexts", "300", "--budgets", "160",
+            "--policies", "Full,TailorKV(profile=auto, static_tokens=32, group_size=16, residual=32)",
+            "--tasks", "single_needle", "--samples", "1", "--perplexity", "0", "--no-kernels",
+            "--results-md", str(page)]
+    assert main(argv) == 0
+    from kvpass.tailorkv import Profile
+
+    prof = Profile.load(out / "tailorkv_profile.json")
+    assert [i for i, _ in prof.scores] == [0, 1] and prof.prompt_tokens == (4096,)
+    rows = load_results(out / RESULTS)
+    tk = [r for r in rows if r["policy_name"] == "TailorKV group_size=16, residual=32"]
+    assert len(tk) == 1 and tk[0]["budget"] == 160
+    assert prof.summary() in tk[0]["policy"]  # the cells ran with the calibrated profile
+    tiers = [d["tier"] for d in tk[0]["site_details"]]
+    assert tiers == ["quantised" if p > 0.2 else "sparse" for _, p in prof.scores]
+    assert not [r for r in rows if r["policy_name"] == "Full"][0]["site_details"]
+    text = page.read_text()
+    assert "## TailorKV profile" in text and "## Per layer: tiers, query estimates, bytes" in text
+    assert prof.config_key in text
+    # a rerun reuses the profile (same config) and so finds every cell done
+    stamp = (out / "tailorkv_profile.json").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert (out / "tailorkv_profile.json").stat().st_mtime_ns == stamp
+    assert len(load_results(out / RESULTS)) == len(rows)

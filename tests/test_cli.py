@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from kvpass import Full, Quest, StreamingLLM
+from kvpass import Full, Quest, StreamingLLM, TailorKV
 from kvpass.cli import main, parse_policy
 from kvpass.policies import Policy, base
 
@@ -31,6 +31,8 @@ ATTENTION_CALL = re.compile(r"torch\.ops\.kvpass\.attention\w*\.default\(")
         Quest(budget=512, page_size=8, gqa="max"),
         StreamingLLM(),
         StreamingLLM(sinks=0, window=64),
+        TailorKV(),
+        TailorKV(profile="auto", critical_channels=4, quant_bits=2),
     ],
     ids=lambda p: p.describe(),
 )

@@ -171,3 +171,124 @@ def test_sliding_window_layer_is_left_exact_with_reason():
     sites, unmatched = find_sites(g)
     assert not sites
     assert "sliding-window" in unmatched[0].reason and unmatched[0].layer == 5
+
+
+# -- graph shapes found in other decoder families (kvpass.coverage runs them end to end) --------------
+def _graph_with(build):
+    """A post-grad-like graph: ``build(g, ph, call)`` returns (q, k, v, extra outputs); SDPA sits in
+    ``model.layers.3.self_attn``."""
+    g = torch.fx.Graph()
+
+    def ph(name, *shape, dtype=torch.float32):
+        n = g.placeholder(name)
+        n.meta["val"] = torch.empty(*shape, device="meta", dtype=dtype)
+        return n
+
+    def call(target, *args, like=None):
+        n = g.call_function(target, args)
+        vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
+        n.meta["val"] = like if like is not None else target(*vals)
+        return n
+
+    q, k, v, outs = build(g, ph, call)
+    sdpa = call(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, 0.0, False,
+                like=None)
+    sdpa.meta["nn_module_stack"] = {"x": ("L['self'].model.layers[3].self_attn", object)}
+    import operator
+
+    out = g.call_function(operator.getitem, (sdpa, 0))
+    out.meta["val"] = torch.empty(q.meta["val"].shape, device="meta")
+    g.output((*outs, out))
+    return g
+
+
+def test_partial_rotary_cat_and_contiguous_copy_are_new_keys():
+    """GPT-NeoX builds its keys with cat([rotated, passed], dim=-1) and Phi-3 returns a contiguous
+    copy of its values: both are the new keys/values kept by the cache (P3), not cache updates."""
+    from kvpass.patterns.attention import find_sites
+
+    aten = torch.ops.aten
+
+    def build(g, ph, call):
+        q, pv = ph("q", 1, 4, 5, 16), ph("v", 1, 4, 5, 16)
+        rot, rest = ph("rot", 1, 4, 5, 4), ph("rest", 1, 4, 5, 12)
+        k = call(aten.cat.default, [rot, rest], -1)
+        v = call(aten.clone.default, pv)
+        return q, k, v, (k, v)
+
+    sites, unmatched = find_sites(_graph_with(build))
+    assert not unmatched
+    (site,) = sites
+    assert site.pattern.startswith("P3") and site.layer == 3 and site.own is not None
+    assert site.k.target is aten.cat.default and site.v.target is aten.clone.default
+
+
+@pytest.mark.parametrize("buffer", ["graph input", "allocated in the graph"])
+def test_static_cache_write_into_its_buffer_is_p2(buffer):
+    from kvpass.patterns.attention import find_sites
+
+    aten = torch.ops.aten
+
+    def build(g, ph, call):
+        q, kn, vn = ph("q", 1, 4, 1, 16), ph("kn", 1, 4, 1, 16), ph("vn", 1, 4, 1, 16)
+        pos = ph("pos", 1, dtype=torch.int64)
+        if buffer == "graph input":
+            kb, vb = ph("kb", 1, 4, 8, 16), ph("vb", 1, 4, 8, 16)
+        else:  # lazy initialisation at prefill: zeros made inside the graph
+            kb, vb = (call(aten.full.default, [1, 4, 8, 16], 0.0) for _ in range(2))
+        k = call(aten.index_put.default, kb, [None, None, pos], kn)
+        v = call(aten.index_put.default, vb, [None, None, pos], vn)
+        return q, k, v, (k, v)
+
+    sites, unmatched = find_sites(_graph_with(build))
+    assert not unmatched and [s.pattern.split()[0] for s in sites] == ["P2"]
+
+
+def test_rolled_static_sliding_buffer_is_left_exact():
+    """transformers' StaticSlidingWindowLayer, once full, rolls its buffer and writes at slot -1: its
+    slots are no longer positions, so the site is left exact with the reason."""
+    from kvpass.patterns.attention import find_sites
+
+    aten = torch.ops.aten
+
+    def build(g, ph, call):
+        q, kn, vn = ph("q", 1, 4, 1, 16), ph("kn", 1, 4, 1, 16), ph("vn", 1, 4, 1, 16)
+        kb, vb = ph("kb", 1, 4, 8, 16), ph("vb", 1, 4, 8, 16)
+        order = ph("order", 8, dtype=torch.int64)  # (arange(8) + 1) % 8
+        last = call(aten.full.default, [1], -1, like=torch.empty(1, device="meta", dtype=torch.int64))
+        rolled = [call(aten.index.Tensor, b, [None, None, order]) for b in (kb, vb)]
+        k = call(aten.index_put.default, rolled[0], [None, None, last], kn)
+        v = call(aten.index_put.default, rolled[1], [None, None, last], vn)
+        return q, k, v, (k, v)
+
+    sites, unmatched = find_sites(_graph_with(build))
+    assert not sites
+    assert "sliding-window" in unmatched[0].reason and "rolled" in unmatched[0].reason
+
+
+def test_sliding_window_prefill_is_left_exact_with_reason():
+    """A sliding-window layer's prefill attends to the whole prompt and keeps only x[:, :, -W:]."""
+    from kvpass.patterns.attention import find_sites
+
+    aten = torch.ops.aten
+
+    def build(g, ph, call):
+        q, k, v = ph("q", 1, 4, 12, 16), ph("k", 1, 4, 12, 16), ph("v", 1, 4, 12, 16)
+        kept = [call(aten.slice.Tensor, t, 2, -7, 9223372036854775807) for t in (k, v)]
+        return q, k, v, kept
+
+    sites, unmatched = find_sites(_graph_with(build))
+    assert not sites and "sliding-window" in unmatched[0].reason
+
+
+def test_site_without_a_layer_in_its_path_is_left_exact():
+    """A graph compiled for one decoder layer on its own (a graph break) may run for every layer: a site
+    id baked into it would be shared, so the pass leaves it exact and says why."""
+    from kvpass.patterns.attention import SDPA_TARGETS, find_sites
+
+    target = next(t for t, n in SDPA_TARGETS.items() if n == "sdpa_flash_cpu")
+    g = _synthetic_graph(target)
+    sdpa = next(n for n in g.nodes if n.target is target)
+    sdpa.meta["nn_module_stack"] = {"x": ("L['self'].self_attn", object)}
+    sites, unmatched = find_sites(g)
+    assert not sites and "names no layer" in unmatched[0].reason and "graph break" in unmatched[0].reason

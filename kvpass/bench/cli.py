@@ -124,7 +124,7 @@ def build_policies(specs: str, budgets: list[int]):
         p = parse_policy(spec)
         if isinstance(p, Full):
             continue
-        if re.search(r"\b(budget|cache_ratio)\s*=", spec):
+        if re.search(r"\b(budget|sparse_budget|cache_ratio)\s*=", spec):
             if p not in out:
                 out.append(p)  # the spec fixes its own budget: not swept
             continue
@@ -133,6 +133,38 @@ def build_policies(specs: str, budgets: list[int]):
             if q not in out:
                 out.append(q)
     return out
+
+
+CALIBRATION_TOKENS = 4096
+
+
+def calibrate_policies(policies: list, model, tokenizer, out: Path, progress: bool) -> list:
+    """Give every ``TailorKV(profile="auto")`` of the sweep one profile, computed offline as the paper
+    does (the bench's shared exact prefill would otherwise leave "auto" a single decode query to
+    score with): :func:`kvpass.tailorkv.calibrate` on the last ``CALIBRATION_TOKENS`` tokens of the
+    pydoc prose (no task and no perplexity window uses them), saved as ``OUT/tailorkv_profile.json``
+    and reused by a rerun on the same model config."""
+    import dataclasses
+
+    from kvpass.policies.tailorkv import TailorKV
+
+    need = [p for p in policies if isinstance(p, TailorKV) and p.profile == "auto"]
+    if not need:
+        return policies
+    from kvpass.bench.perplexity import topics_text
+    from kvpass.tailorkv import Profile, calibrate, config_key
+
+    path = out / "tailorkv_profile.json"
+    prof = Profile.load(path) if path.exists() else None
+    if prof is None or prof.config_key != config_key(model.config):
+        ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = ids[:, -CALIBRATION_TOKENS:]
+        p0 = need[0]
+        prof = calibrate(model, [ids], path, tau=p0.tau, calib_queries=p0.calib_queries, calib_topk=p0.calib_topk,
+                         progress=progress)
+    if progress:
+        print(prof.describe(tau=need[0].tau), flush=True)
+    return [dataclasses.replace(p, profile=prof) if p in need else p for p in policies]
 
 
 def tiny_model(vocab_size: int, seed: int = 0):
@@ -222,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tok, model_name = load_model(args.model)
         from kvpass.bench.runner import run_perplexity
+
+        out.mkdir(parents=True, exist_ok=True)
+        policies = calibrate_policies(policies, model, tok, out, progress=not args.no_progress)
 
         def perplexities(backend, compiled):
             run_perplexity(model, tok, policies, windows, ppl_eval, out, model_name=model_name, command=command,

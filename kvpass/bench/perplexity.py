@@ -145,6 +145,8 @@ def perplexity_of_ids(
             raise TypeError(f"kvpass: perplexity needs Policy objects, got {type(p).__name__}: {p!r}")
     full = next((p for p in policies if isinstance(p, Full)), Full())
     ordered = [full] + [p for p in policies if p is not full and p != full]
+    # policies that need a backend of their own last (compiling one resets dynamo's cache)
+    ordered.sort(key=lambda p: p.graph_key() != full.graph_key())
     if backend is None:
         backend = kvpass(full)
     if compiled is None:
@@ -166,7 +168,15 @@ def perplexity_of_ids(
                 backend.set_policy(p)
             except KVPassError as err:
                 warnings.warn(f"{err}; compiling a separate backend for it", stacklevel=2)
+                # A fresh dynamo cache: on top of the other backend's graphs, the new ones would reach
+                # dynamo's recompile limit, and a frame dynamo then runs eagerly would read the stubs
+                # an owned cache leaves in the model's cache. Warm-up compiles every graph first.
+                torch._dynamo.reset()
                 fwd = torch.compile(eager, backend=kvpass(p), dynamic=True)
+                if warmup and window >= 8:
+                    _run_one(fwd, ids[:, :8], 5, False, "warm-up")
+                    if share_prefill:
+                        _run_one(fwd, ids[:, :8], 5, False, "warm-up", shared=_prefill(eager, ids[:, :8], 5))
             start = time.perf_counter()
             nlls = _run_one(fwd, ids, prefix, progress, p.describe(), shared=shared)
             nll = sum(nlls) / len(nlls)

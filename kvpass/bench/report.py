@@ -144,6 +144,40 @@ def _table_for_model(model: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def site_details_table(rows: list[dict[str, Any]]) -> str:
+    """Per layer, for policies that report tiers (TailorKV): tier, dense-preference P, where the query
+    estimate came from and its mean cosine similarity to the true query, the packed/fp16 byte ratio of
+    a quantised layer, bytes per tier and moved per decode step. From the row with the longest
+    context of each such policy and budget."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("site_details"):
+            key = (r["policy_name"], r["budget"])
+            if key not in best or r["context"] > best[key]["context"]:
+                best[key] = r
+    if not best:
+        return ""
+    head = ["policy", "budget", "context", "layer", "tier", "P", "estimate from", "estimate cos",
+            "packed / fp16", "attended", "device MiB", "host MiB", "moved KiB/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (name, budget), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+        for d in r["site_details"]:
+            steps = max(1, int(d.get("steps", 0)))
+            cells = [name, str(budget), str(r["context"]), str(d.get("layer")), d.get("tier", "-"),
+                     _num(d.get("P"), 3), d.get("estimate", "-"), _num(d.get("estimate_cos"), 3),
+                     _num(d.get("quant_ratio"), 3), str(d.get("tokens_attended", "")),
+                     f"{d.get('device_bytes', 0) / 2**20:.2f}", f"{d.get('host_bytes', 0) / 2**20:.2f}",
+                     f"{d.get('bytes_moved', 0) / 1024 / steps:.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(v, digits: int) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return f"{v:.{digits}f}"
+
+
 def perplexity_table(rows: list[dict[str, Any]]) -> str:
     """Perplexity per policy and budget (rows) and window (columns), with the delta to Full of the same
     run: "12.17 (+0.49)"."""
@@ -332,6 +366,15 @@ def write_results_md(out_dir: Path, path: Path, command: str) -> Path:
     first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
     lines += ["", f"{len(rows)} cells, finished between {first} and {last} (UTC).", "", "## Accuracy, recall, speed, memory", ""]
     lines.append(markdown_table(rows))
+    profile = out_dir / "tailorkv_profile.json"
+    if profile.exists():
+        from kvpass.tailorkv import Profile
+
+        lines += ["", "## TailorKV profile", "", f"Calibrated by the bench into `{profile.name}` (see "
+                  "docs/methods.md, TailorKV):", "", "```", Profile.load(profile).describe(), "```"]
+    details = site_details_table(rows)
+    if details:
+        lines += ["", "## Per layer: tiers, query estimates, bytes", "", details]
     ppl = load_results(out_dir / PERPLEXITY)
     if ppl:
         lines += ["", "## Perplexity", "", perplexity_table(ppl)]

@@ -102,14 +102,26 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+# Fields that are the budget (its own column) or follow from it, or are shown elsewhere (a profile).
+_BUDGET_FIELDS = {"budget", "sparse_budget", "static_tokens", "window", "cache_ratio", "offload", "profile"}
+
+
 def policy_label(policy: Policy) -> str:
-    """The policy's name, with what sets it apart in a table besides its budget: the cache ratio of
-    ratio-budgeted policies (CentroidKV), offload (ClusterKV)."""
+    """The policy's name, with what sets it apart in a table besides its budget: offload (ClusterKV),
+    the cache ratio of ratio-budgeted policies (CentroidKV), and every other parameter that differs
+    from the class default (``ClusterKV kmeans_iters=8``)."""
+    import dataclasses
+
     label = policy.name
     if getattr(policy, "offload", False):
         label += " offload"
     ratio = getattr(policy, "cache_ratio", None)
-    return label if ratio is None else f"{label} ratio={ratio}"
+    if ratio is not None:
+        label += f" ratio={ratio}"
+    changed = [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
+               if f.name not in _BUDGET_FIELDS and f.default is not dataclasses.MISSING
+               and getattr(policy, f.name) != f.default]
+    return label + (" " + ", ".join(changed) if changed else "")
 
 
 def policy_budget(policy: Policy) -> int | None:
@@ -172,7 +184,16 @@ def _site_sums(backend) -> dict[str, Any]:
         "overhead_prefill_s": sum(float(r.get("overhead_prefill_s", 0.0)) for r in sites),
         "overhead_decode_s": sum(float(r.get("overhead_decode_s", 0.0)) for r in sites),
         "decode_steps": max([int(r.get("steps", 0)) for r in sites], default=0),
+        # what a policy reports per layer beyond the common columns (TailorKV's tiers and estimates)
+        "site_details": [
+            {k: r[k] for k in ("layer",) + SITE_DETAILS + SITE_COMMON if k in r}
+            for r in sites if any(k in r for k in SITE_DETAILS)
+        ],
     }
+
+
+SITE_DETAILS = ("tier", "P", "estimate", "estimate_cos", "quant_ratio")
+SITE_COMMON = ("tokens_attended", "device_bytes", "host_bytes", "bytes_moved", "steps")
 
 
 def _prefill(fwd, ids: torch.Tensor):

@@ -66,3 +66,30 @@ def centroid_attention(q, k, v, deg, scale: float) -> torch.Tensor:
     from kvpass.kernels import centroid
 
     return centroid.centroid_decode_attention(q, k, v, deg, scale=scale, use_triton=_use_triton(q))
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
+    """TailorKV's asymmetric quantise-and-pack of ``x (B, H, S, D)`` (a :class:`QuantizedKV`)."""
+    from kvpass.kernels import tailorkv
+
+    if _use_triton(x):
+        return tailorkv.quantize_pack(x, bits, group_size, axis)
+    return tailorkv.quantize_pack_ref(x, bits, group_size, axis)
+
+
+def quant_attention(q, kq, vq, k_res, v_res, scale: float) -> torch.Tensor:
+    """(B, H_q, D) decode attention over a packed cache plus a full-precision residual."""
+    from kvpass.kernels import tailorkv
+
+    if _use_triton(q):
+        return tailorkv.quant_decode_attention(q, kq, vq, k_res, v_res, scale=scale)
+    return tailorkv.quant_decode_attention_ref(q, kq, vq, k_res, v_res, scale=scale)
+
+
+def partial_topk(q, k_ch, ch, k: int, length: int):
+    """TailorKV's approximate top-k from the critical channels: ``(idx (B, H_kv, k), approx)``."""
+    from kvpass.kernels import tailorkv
+
+    if _use_triton(q):
+        return tailorkv.partial_topk(q, k_ch, ch, k, length)
+    return tailorkv.partial_topk_ref(q, k_ch, ch, k, length)

@@ -22,7 +22,7 @@ _PKG = Path(__file__).resolve().parent.parent
 # The code whose change must invalidate compiled graphs (FX graph cache keys include the uuid).
 _PASS_FILES = tuple(
     str(_PKG / f)
-    for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py")
+    for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py", "lowering/estimate.py")
 )
 
 
@@ -84,6 +84,8 @@ class KVPassGraphPass(CustomGraphPass):
             graph.eliminate_dead_code()
         lengths = {r["query_len"] for r in rows}
         kind = "decode" if lengths == {1} else "prefill" if lengths and 1 not in lengths else "other"
+        if kind == "decode" and backend.policy.prefetches and backend.own_cache:
+            self._insert_prefetches(graph, sites, rows)
         if not sites and not unmatched and _cache_updates_without_sdpa(graph):
             unmatched.append(
                 Unmatched(
@@ -106,6 +108,7 @@ class KVPassGraphPass(CustomGraphPass):
             new = self._rewrite_owned(graph, m, site)
         else:
             new = self._rewrite_plain(graph, m, site)
+        m.new = new
         m.out.replace_all_uses_with(new)
         if m.out is not m.sdpa:
             graph.erase_node(m.out)
@@ -133,6 +136,50 @@ class KVPassGraphPass(CustomGraphPass):
         new.meta["val"] = _fake_value(target, args)
         return new
 
+    def _insert_prefetches(self, graph: fx.Graph, sites: list[SiteMatch], rows: list[dict]) -> None:
+        """TailorKV: before each owned site's fetch, a ``kvpass::prefetch`` fed with the site's query
+        estimated from the previous site's residual stream (see :mod:`kvpass.lowering.estimate`),
+        placed before the previous site's attention; the first site, and any whose query slice cannot
+        be copied, prefetch with their true query."""
+        from kvpass.lowering.estimate import find_residuals, insert_estimate, layer_prefix, query_slice
+
+        owned = [(m, r) for m, r in zip(sites, rows) if m.own is not None and "fetch" in m.own]
+        owned.sort(key=lambda mr: (mr[0].layer if mr[0].layer is not None else -1))
+        slices = []
+        for m, _ in owned:
+            prefix = layer_prefix(m.module_path, m.layer)
+            slices.append(query_slice(graph, m.q, m.layer, prefix) if prefix else None)
+        find_residuals([s for s in slices if s is not None])
+        prev = None  # (slice, site match) of the previous site with a residual
+        for (m, row), sl in zip(owned, slices):
+            info = self._backend().runtime.info(row["site"])
+            q_hat, source = None, None
+            if sl is None:
+                why = "no decoder-layer module path"
+            elif sl.residual is None:
+                why = sl.why
+            elif prev is None:
+                why = "first site: no earlier layer"
+            else:
+                q_hat = insert_estimate(graph, sl, prev[0], prev[1].new)
+                source = prev[0].layer
+                why = "" if q_hat is not None else "the residual inputs differ in shape or dtype"
+            fetch = m.own["fetch"]
+            if q_hat is None:
+                anchor, q_in = fetch, m.q
+            else:
+                anchor, q_in = q_hat.next, q_hat
+            node = self._insert(graph, anchor, torch.ops.kvpass.prefetch.default,
+                                (q_in, m.own["k_past"], self._handle, row["site"], q_hat is not None), m.sdpa)
+            fetch.args = (*fetch.args[:4], node)
+            info.estimate = f"layer {source}" if q_hat is not None else f"none ({why})"
+            row["estimate"] = info.estimate
+            counters["kvpass"]["prefetches_inserted"] += 1
+            if q_hat is not None:
+                counters["kvpass"]["queries_estimated"] += 1
+            if sl is not None and sl.residual is not None:
+                prev = (sl, m)
+
     def _rewrite_plain(self, graph: fx.Graph, m: SiteMatch, site: int) -> fx.Node:
         args = (
             m.q,
@@ -157,6 +204,7 @@ class KVPassGraphPass(CustomGraphPass):
         if backend is not None and backend.policy.fetches:
             fetched = self._insert(graph, m.sdpa, torch.ops.kvpass.fetch.default,
                                    (m.q, o["k_past"], self._handle, site), m.sdpa)
+            o["fetch"] = fetched
             counters["kvpass"]["fetches_inserted"] += 1
         args = (
             m.q,

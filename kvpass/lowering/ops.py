@@ -74,7 +74,7 @@ def _attention_owned_fake(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_
 
 
 @torch.library.custom_op("kvpass::fetch", mutates_args=())
-def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int) -> Tensor:
+def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int, after: Tensor | None = None) -> Tensor:
     """Bring what this decode step will attend from the host tier to the device tier.
 
     q: (B, H_q, T, D) the step's queries (the selection depends on them); past_k: the model's cache
@@ -82,13 +82,32 @@ def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int) -> Tensor:
     holding the step number, that :func:`attention_owned` takes as ``fetched``: the data dependency
     makes Inductor issue the fetch before the attention that needs it. On CUDA the copies would run
     on a side stream with an event the attention waits on; on CPU they are copies between the tiers.
+    after: the ticket of this site's :func:`prefetch` (TailorKV), which orders the prefetch first.
     """
     return registry.lookup(handle).fetch(site, q, past_k)
 
 
 @fetch.register_fake
-def _fetch_fake(q, past_k, handle, site):
+def _fetch_fake(q, past_k, handle, site, after=None):
     return q.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("kvpass::prefetch", mutates_args=())
+def prefetch(q_hat: Tensor, past_k: Tensor | None, handle: int, site: int, estimated: bool) -> Tensor:
+    """Prefetch what a site's next decode step will score with, from an estimate of its query.
+
+    q_hat: (B, H_q, T, D) the site's query as estimated one layer early (TailorKV: the previous
+    layer's residual stream through this layer's norm, q projection and RoPE, copied into the graph
+    by the pass), or the site's true query when no estimate could be built (``estimated=False``);
+    past_k: the site's cache before this step (its length). Returns a ticket (1,) int64 for this
+    site's :func:`fetch`, so that Inductor issues the prefetch first.
+    """
+    return registry.lookup(handle).prefetch(site, q_hat, past_k, estimated)
+
+
+@prefetch.register_fake
+def _prefetch_fake(q_hat, past_k, handle, site, estimated):
+    return q_hat.new_empty((1,), dtype=torch.int64)
 
 
 @torch.library.custom_op("kvpass::cache_stub", mutates_args=())

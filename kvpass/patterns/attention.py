@@ -119,10 +119,13 @@ def _schema_args(node: fx.Node) -> dict[str, Any]:
     return out
 
 
-def _strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, bool]:
-    """Walk back through a repeat_kv chain; returns (base, whether a head repeat was seen)."""
+def _strip_repeat_kv(node: fx.Node, outputs: set[fx.Node] = frozenset()) -> tuple[fx.Node, bool]:
+    """Walk back through a repeat_kv chain; returns (base, whether a head repeat was seen).
+
+    The walk stops at a graph output: that tensor is what the cache keeps (e.g. a ``clone`` that
+    makes a slice of a fused QKV projection contiguous, as in Phi-3), so it is the base."""
     start = node
-    while isinstance(node, fx.Node) and node.target in _REPEAT_KV_OPS:
+    while isinstance(node, fx.Node) and node.target in _REPEAT_KV_OPS and node not in outputs:
         node = node.args[0]
     if node is start:
         return node, False
@@ -147,36 +150,89 @@ def _is_window_slice(node: fx.Node) -> bool:
     return args[1] in (2, -2) and isinstance(args[2], int) and args[2] < 0
 
 
+_COPIES = (aten.copy.default, aten.copy_.default)
+
+
+def _is_stored(node: fx.Node, outputs: set[fx.Node]) -> bool:
+    """The graph keeps ``node`` for later calls: it is returned, or copied into a graph input (a static
+    buffer written in place) or into a tensor that is returned (a buffer allocated in this graph)."""
+    if node in outputs:
+        return True
+    return any(
+        u.target in _COPIES and len(u.args) > 1 and u.args[1] is node
+        and (u in outputs or getattr(u.args[0], "op", None) == "placeholder")
+        for u in node.users
+    )
+
+
+def _keeps_window(node: fx.Node, outputs: set[fx.Node]) -> bool:
+    """Only the last tokens of ``node`` are kept (``node[:, :, -W:]`` is stored): a sliding-window layer."""
+    return any(_is_window_slice(u) and _is_stored(u, outputs) for u in node.users)
+
+
+def _is_buffer(node: Any) -> bool:
+    """A graph input, or a tensor made from no other tensor (``full``/``zeros``: a fresh buffer)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "placeholder":
+        return True
+    inputs: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), inputs.append)
+    return node.op == "call_function" and not inputs
+
+
+_SLIDING_REASON = (
+    "a sliding-window cache layer (it keeps only the last tokens): left exact, as only global-attention "
+    "layers are compressed"
+)
+
+
+def _is_seq_cat(node: fx.Node) -> bool:
+    """``cat(tensors, dim=-2)`` on 4-D tensors: a concatenation along the sequence. A cat along another
+    dimension (GPT-NeoX's partial rotary embedding, ``cat([rotated, passed], dim=-1)``) builds the new
+    keys themselves and is no cache update."""
+    if node.target is not aten.cat.default:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    ndim = len(_shape(node))
+    return dim in (ndim - 2, -2)
+
+
 def _cache_update(base: fx.Node, outputs: set[fx.Node]) -> tuple[str | None, fx.Node | None, str, tuple | None]:
     """Classify the node holding the cache. Returns (pattern, cache_position node, reason,
     (new, past, stored) when the runtime could own this cache, else None)."""
     sliced = _is_seq_slice(base)
     node = base.args[0] if sliced else base
-    if node.target is aten.cat.default:
-        tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        ndim = len(_shape(node))
-        if len(tensors) == 2 and dim in (ndim - 2, -2) and tensors[0].op == "placeholder":
-            if node not in outputs and any(_is_window_slice(u) and u in outputs for u in node.users):
-                return None, None, (
-                    "a sliding-window cache layer (it keeps only the last tokens): left exact, as only "
-                    "global-attention layers are compressed"
-                ), None
+    if _is_seq_cat(node):
+        tensors = node.args[0]
+        if len(tensors) == 2 and tensors[0].op == "placeholder":
+            if node not in outputs and _keeps_window(node, outputs):
+                return None, None, _SLIDING_REASON, None
             own = (tensors[1], tensors[0], node) if node in outputs and not sliced else None
             return "P1 cat", None, "", own
         return None, None, "a cat that is not a cache update (expected cat([past_cache, new], dim=-2))", None
     if node.target in (aten.index_put.default, aten.index_put_.default):
         indices = node.args[1]
-        if (
+        if not (
             len(indices) == 3
             and indices[0] is None
             and indices[1] is None
             and isinstance(indices[2], fx.Node)
             and len(_shape(indices[2])) == 1
         ):
-            return "P2 index_put", indices[2], "", None
-        return None, None, "an index_put that is not a static-cache write (expected [None, None, pos])", None
+            return None, None, "an index_put that is not a static-cache write (expected [None, None, pos])", None
+        if not _is_buffer(node.args[0]):
+            # A static cache writes into its buffer: a graph input, or a buffer allocated in this graph
+            # (lazy initialisation at prefill). A write into a computed tensor is a rolled buffer
+            # (transformers' StaticSlidingWindowLayer once full: roll, then write at -1), whose slots
+            # are not positions.
+            return None, None, _SLIDING_REASON + " (a rolled static buffer)", None
+        return "P2 index_put", indices[2], "", None
     if node in outputs:
         return "P3 prefill", None, "", ((node, None, node) if not sliced else None)
+    if _keeps_window(node, outputs):
+        # a sliding-window layer's prefill: it attends to the whole prompt and keeps the last tokens
+        return None, None, _SLIDING_REASON, None
     return None, None, "no KV-cache update feeds this attention (use_cache=False, or an unknown cache)", None
 
 
@@ -221,8 +277,8 @@ def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
                 reject("SDPA output used through several getitems")
                 continue
             out = users[0]
-        k_base, k_rep = _strip_repeat_kv(k)
-        v_base, v_rep = _strip_repeat_kv(v)
+        k_base, k_rep = _strip_repeat_kv(k, outputs)
+        v_base, v_rep = _strip_repeat_kv(v, outputs)
         kb, vb = _val(k_base), _val(v_base)
         if not (isinstance(kb, torch.Tensor) and kb.dim() == 4 and isinstance(vb, torch.Tensor) and vb.dim() == 4):
             reject("the key/value before repeat_kv are not 4-D (B, H_kv, S, D)")
@@ -240,6 +296,16 @@ def find_sites(graph: fx.Graph) -> tuple[list[SiteMatch], list[Unmatched]]:
             continue
         if k_pos is not None and v_pos is not None and k_pos is not v_pos:
             reject("key and value are written at different cache positions")
+            continue
+        if layer is None:
+            # The graph was compiled for a submodule on its own (a graph break splits the model), so its
+            # code may run for every layer while a site id is baked into it: the layers would share
+            # one site's state. Only the model's own graph names each site's layer.
+            reject(
+                f"its module path {path!r} names no layer: this graph was compiled for a submodule on its "
+                "own (a graph break splits the model, e.g. .item() in a mixture-of-experts router), so one "
+                "compiled site would serve every layer; remove the graph break"
+            )
             continue
         scale = a.get("scale")
         pattern = k_pat + (" +repeat_kv" if (k_rep or v_rep) else "") + (" +mask" if mask is not None else "")

@@ -10,6 +10,7 @@ from kvpass.policies.clusterkv import ClusterKV
 from kvpass.policies.full import Full
 from kvpass.policies.quest import Quest
 from kvpass.policies.streaming import StreamingLLM
+from kvpass.policies.tailorkv import TailorKV
 
 __all__ = [
     "Policy",
@@ -18,6 +19,7 @@ __all__ = [
     "Quest",
     "ClusterKV",
     "CentroidKV",
+    "TailorKV",
     "policy_from_dict",
     "register_policy",
     "registered_policies",

@@ -61,6 +61,12 @@ class Policy:
         each owned attention site (then ``graph_key`` must differ from the plain policies')."""
         return False
 
+    @property
+    def prefetches(self) -> bool:
+        """True when the pass must also insert ``kvpass::prefetch`` for each site, fed with the site's
+        query estimated one layer early (implies ``fetches``)."""
+        return False
+
     def describe(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{self.name}({args})"

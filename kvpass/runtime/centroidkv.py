@@ -19,18 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from kvpass.runtime.state import KVPassError, SiteState, _make_call, valid_from_mask
-from kvpass.runtime.store import stub_rows
+from kvpass.runtime.store import grow_seq, stub_rows
 
 
 def _grow(buf: torch.Tensor | None, like: torch.Tensor, live: int, need: int, slack: int) -> torch.Tensor:
     """``buf`` with room for ``need`` slots along dim 2 (its first ``live`` slots kept)."""
-    if buf is not None and buf.shape[2] >= need:
-        return buf
-    cap = max(need + slack, int(1.5 * buf.shape[2]) if buf is not None else 0)
-    out = like.new_zeros((*like.shape[:2], cap, *like.shape[3:]))
-    if buf is not None and live:
-        out[:, :, :live] = buf[:, :, :live]
-    return out
+    return grow_seq(buf, need, live=live, slack=slack, factor=1.5, like=like)
 
 
 class CentroidState(SiteState):
@@ -231,9 +225,10 @@ class CentroidState(SiteState):
             out[:, qh] = centroid_attention(q[:, qh, 0], self.k[:, :, : self.s], self.v[:, :, : self.s],
                                             self.deg[:, :, : self.s], scale)
         qh = self._heads(self.outl, g)
-        n = self.logical
-        ones = self.ko.new_ones((b, len(self.outl), n), dtype=torch.float32)
-        out[:, qh] = centroid_attention(q[:, qh, 0], self.ko[:, :, :n], self.vo[:, :, :n], ones, scale)
+        from kvpass.lowering.dispatch import sparse_attention
+
+        n = self.logical  # outlier heads keep every token: plain dense attention
+        out[:, qh] = sparse_attention(q[:, qh, 0], self.ko[:, :, :n], self.vo[:, :, :n], None, None, scale)
         return out.unsqueeze(2)
 
     def _attend_chunk(self, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ import time
 import torch
 
 from kvpass.runtime.state import AttentionCall, KVPassError, SiteState, _make_call
+from kvpass.runtime.store import grow_seq
 
 
 class DeviceTier:
@@ -75,13 +76,8 @@ class DeviceTier:
         t = k_new.shape[2]
         skip = max(0, tail - (end - t))  # new tokens already clustered (a prefill clusters them at once)
         n = t - skip
-        if self.rec_len + n > self.rec_k.shape[2]:
-            cap = max(self.rec_len + n, 2 * self.rec_k.shape[2])
-            for name in ("rec_k", "rec_v"):
-                old = getattr(self, name)
-                new = old.new_zeros((*old.shape[:2], cap, old.shape[3]))
-                new[:, :, : self.rec_len] = old[:, :, : self.rec_len]
-                setattr(self, name, new)
+        self.rec_k = grow_seq(self.rec_k, self.rec_len + n, live=self.rec_len, factor=2)
+        self.rec_v = grow_seq(self.rec_v, self.rec_len + n, live=self.rec_len, factor=2)
         self.rec_k[:, :, self.rec_len : self.rec_len + n] = k_new[:, :, skip:]
         self.rec_v[:, :, self.rec_len : self.rec_len + n] = v_new[:, :, skip:]
         self.rec_len += n
@@ -112,10 +108,8 @@ class DeviceTier:
     def _fetch(self, host_k, host_v, idx, length) -> int:
         b, h, n = idx.shape
         dev = self.ring_k.device
-        if self.seen.shape[2] < length:
-            grow = max(length, 2 * self.seen.shape[2]) - self.seen.shape[2]
-            self.seen = torch.cat([self.seen, self.seen.new_full((b, h, grow), -1)], 2)
-            self.slot = torch.cat([self.slot, self.slot.new_zeros((b, h, grow))], 2)
+        self.seen = grow_seq(self.seen, length, factor=2, fill=-1)
+        self.slot = grow_seq(self.slot, length, factor=2)
         self.step += 1
         r = self.step % (self.cache_steps + 1)
         seen = self.seen.gather(2, idx)
@@ -137,8 +131,7 @@ class DeviceTier:
         self.ring_v[r, bi[miss], hi[miss], ji[miss]] = rows_v
         self.seen.scatter_(2, idx, self.step)
         self.slot.scatter_(2, idx, ji.contiguous())
-        n_hit = int(hit.sum())
-        self.hits += n_hit
+        self.hits = self.hits + hit.sum()  # a device counter: read when a report asks, no sync per step
         self.recalled += idx.numel()
         self.cur, self.n_cur = r, n
         return rows_k.numel() * rows_k.element_size() + rows_v.numel() * rows_v.element_size()
@@ -372,5 +365,5 @@ class ClusterState(SiteState):
         r["clusters"] = 0 if self.sizes is None else int(self.sizes.shape[-1])
         r["dense"] = self.dense
         if self.tier is not None:
-            r["hit_rate"] = self.tier.hits / self.tier.recalled if self.tier.recalled else float("nan")
+            r["hit_rate"] = float(self.tier.hits) / self.tier.recalled if self.tier.recalled else float("nan")
         return r

@@ -35,6 +35,7 @@ class SiteInfo:
     module_path: str = "?"
     pattern: str = "?"
     graphs: int = 0
+    estimate: str = "-"  # where a prefetching policy's query estimate comes from (the pass decides)
 
 
 @dataclasses.dataclass
@@ -217,6 +218,10 @@ class SiteState:
         (policies that offload). Returns the ticket ``(1,)`` int64 (the decode step number)."""
         return torch.full((1,), self.steps, dtype=torch.int64, device=q.device)
 
+    def prefetch(self, q_hat: torch.Tensor, past: int, estimated: bool) -> torch.Tensor:
+        """Before this site's fetch, from an estimate of its query (policies that prefetch)."""
+        return torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
+
     # -- policy hooks ----------------------------------------------------------------------------
     def observe(self, call: AttentionCall) -> None:
         """Fold the tokens at positions ``[call.start, call.length)`` into the metadata."""
@@ -332,6 +337,12 @@ class Runtime:
         with self._lock:
             past = 0 if past_k is None else past_k.shape[2]
             return self.state(site).fetch(q, past)
+
+    def prefetch(self, site: int, q_hat: torch.Tensor, past_k: torch.Tensor | None, estimated: bool) -> torch.Tensor:
+        """The ``kvpass::prefetch`` op: the site prepares its next fetch from an estimated query."""
+        with self._lock:
+            past = 0 if past_k is None else past_k.shape[2]
+            return self.state(site).prefetch(q_hat, past, estimated)
 
     def reset(self) -> None:
         with self._lock:

@@ -43,6 +43,33 @@ def stub_rows(t: torch.Tensor) -> torch.Tensor | None:
     return rows.round().long()
 
 
+def grow_seq(
+    buf: torch.Tensor | None,
+    need: int,
+    *,
+    live: int | None = None,
+    slack: int = 0,
+    factor: float = 1.0,
+    fill: float = 0,
+    like: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A buffer with room for ``need`` slots along dim 2 (the sequence axis of every runtime buffer).
+
+    ``buf`` itself when it has room; otherwise a new tensor of ``max(need + slack, factor · capacity)``
+    slots, its first ``live`` slots (default: all of ``buf``) copied and the rest ``fill``. With ``buf``
+    None, a new buffer shaped like ``like`` along the other dims."""
+    if buf is not None and buf.shape[2] >= need:
+        return buf
+    ref = buf if buf is not None else like
+    cap = max(need + slack, int(factor * buf.shape[2]) if buf is not None else 0)
+    out = ref.new_full((*ref.shape[:2], cap, *ref.shape[3:]), fill)
+    if buf is not None:
+        n = buf.shape[2] if live is None else live
+        if n:
+            out[:, :, :n] = buf[:, :, :n]
+    return out
+
+
 class OwnedKV:
     """Keys and values of one site, (B, H_kv, capacity, D) each, the first ``length`` slots valid."""
 

@@ -1,0 +1,538 @@
+"""Site state of TailorKV (arXiv 2505.19586): a quantised layer or a sparse layer with a host tier.
+
+**Quantised layer** (device only): keys quantised per channel (groups of ``group_size`` tokens),
+values per token (groups of channels), ``quant_bits`` wide, in capacity buffers that grow by whole
+residual chunks; ``res_k/res_v (B, H_kv, residual, D)`` hold the newest tokens in full precision.
+A decode step appends to the residual, attends over packed + residual with the fused kernel, and
+quantises the residual once it holds ``residual`` tokens.
+
+**Sparse layer**: the site's store (``OwnedKV(host=True)``) is the host tier with every token. The
+device tier holds the first ``sinks`` tokens, the ``static_tokens - sinks`` most recent ones, the
+per-channel ``max_t |K|`` ``(B, H_kv, D)`` fp32, the top-k tokens fetched this step, and (shared by
+the layers of a backend, by layer parity: the paper's double buffer) the critical key channels
+prefetched for the next layer. Positions ``[sinks, L - recent)`` are the candidates for top-k.
+
+The graph pass orders the ops of one decode step as ``prefetch(q̂_l)`` (during layer l-1) ->
+``fetch(q_l)`` -> ``attention_owned`` of layer l.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvpass.runtime.state import KVPassError, SiteState, _make_call, valid_from_mask
+from kvpass.runtime.store import grow_seq, stub_rows
+
+QUANTISED, SPARSE = "quantised", "sparse"
+
+
+def value_group(head_dim: int, group_size: int, bits: int) -> int:
+    """The channel group of the per-token value quantisation: ``group_size`` when it divides the head
+    dimension, else the largest multiple of ``8 // bits`` below it that does (head_dim 96 with groups
+    of 64 -> 48)."""
+    per = 8 // bits
+    for g in range(min(group_size, head_dim), 0, -1):
+        if head_dim % g == 0 and g % per == 0:
+            return g
+    raise KVPassError(
+        f"kvpass: TailorKV cannot quantise head_dim={head_dim} at {bits} bit(s): it needs a multiple of "
+        f"{per} (8 // quant_bits); use quant_bits=2 or another policy for this model"
+    )
+
+
+def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[b, h, idx[b, h, n]]`` for a contiguous ``t (B, H, S, X)`` and ``idx (B, H, N)``: one
+    ``index_select`` of whole rows, (B, H, N, X) (a CPU copies rows several times faster this way than
+    with ``gather`` or advanced indexing)."""
+    b, h, s, x = t.shape
+    off = (torch.arange(b * h, device=t.device) * s).view(b, h, 1)
+    return t.view(b * h * s, x).index_select(0, (idx.to(t.device) + off).view(-1)).view(b, h, -1, x)
+
+
+class PackedCache:
+    """The packed 1/2-bit cache of a quantised layer (see :mod:`kvpass.kernels.tailorkv`)."""
+
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, bits: int, group: int, capacity: int):
+        b, h, _, d = like_k.shape
+        dv = like_v.shape[3]
+        self.bits, self.group, self.vgroup = bits, group, value_group(dv, group, bits)
+        self.dtype = like_k.dtype
+        self.b, self.h, self.d, self.dv = b, h, d, dv
+        self.n = 0
+        per = 8 // bits
+        dev = like_k.device
+        cap = capacity
+        self.kp = torch.zeros((b, h, cap // per, d), dtype=torch.uint8, device=dev)
+        self.ks = torch.zeros((b, h, cap // group, d), dtype=torch.float16, device=dev)
+        self.kz = torch.zeros_like(self.ks)
+        self.vp = torch.zeros((b, h, cap, dv // per), dtype=torch.uint8, device=dev)
+        self.vs = torch.zeros((b, h, cap, dv // self.vgroup), dtype=torch.float16, device=dev)
+        self.vz = torch.zeros_like(self.vs)
+
+    @property
+    def capacity(self) -> int:
+        return self.vp.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kp, self.ks, self.kz, self.vp, self.vs, self.vz))
+
+    def live_bytes(self) -> int:
+        """Bytes of the ``n`` quantised tokens: packed codes + fp16 scales and zeros."""
+        per = 8 // self.bits
+        k = self.n // per * self.d + 2 * 2 * (self.n // self.group) * self.d
+        v = self.n * (self.dv // per) + 2 * 2 * self.n * (self.dv // self.vgroup)
+        return self.b * self.h * (k + v)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, chunk: int) -> None:
+        """Quantise ``k, v (B, H, n, D)``, n a multiple of the group, after the tokens held."""
+        from kvpass.lowering.dispatch import quantize
+
+        n = k.shape[2]
+        if n == 0:
+            return
+        end = self.n + n
+        if end > self.capacity:
+            cap = end + 8 * chunk  # whole residual chunks: a regrowth every 8 flushes at most
+            per = 8 // self.bits
+            self.kp = grow_seq(self.kp, cap // per)
+            self.ks, self.kz = grow_seq(self.ks, cap // self.group), grow_seq(self.kz, cap // self.group)
+            self.vp, self.vs, self.vz = grow_seq(self.vp, cap), grow_seq(self.vs, cap), grow_seq(self.vz, cap)
+        kq = quantize(k, self.bits, self.group, "channel")
+        vq = quantize(v, self.bits, self.vgroup, "token")
+        per = 8 // self.bits
+        self.kp[:, :, self.n // per : end // per] = kq.packed
+        self.ks[:, :, self.n // self.group : end // self.group] = kq.scale
+        self.kz[:, :, self.n // self.group : end // self.group] = kq.zero
+        self.vp[:, :, self.n : end] = vq.packed
+        self.vs[:, :, self.n : end] = vq.scale
+        self.vz[:, :, self.n : end] = vq.zero
+        self.n = end
+
+    def views(self):
+        """(kq, vq) :class:`QuantizedKV` views of the ``n`` tokens held (no copy)."""
+        from kvpass.kernels.tailorkv import QuantizedKV
+
+        per, n = 8 // self.bits, self.n
+        kq = QuantizedKV(self.kp[:, :, : n // per], self.ks[:, :, : n // self.group], self.kz[:, :, : n // self.group],
+                         self.bits, self.group, "channel", (self.b, self.h, n, self.d), self.dtype)
+        vq = QuantizedKV(self.vp[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n],
+                         self.bits, self.vgroup, "token", (self.b, self.h, n, self.dv), self.dtype)
+        return kq, vq
+
+
+class TailorState(SiteState):
+    def __init__(self, policy, info, shared=None):
+        super().__init__(policy, info, shared)
+        from kvpass.runtime.store import OwnedKV
+
+        self.store = OwnedKV(host=True)  # the host tier of a sparse layer (unused by a quantised one)
+        self.cos_sum = None  # sum over steps of the estimate's cosine similarity to the true query
+        self.cos_n = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.tier: str | None = None
+        self.score: float | None = None
+        self.logical = 0
+        # quantised layer
+        self.packed: PackedCache | None = None
+        self.res_k = self.res_v = None
+        self.n_res = 0
+        # sparse layer (device tier)
+        self.sink_k = self.sink_v = self.rec_k = self.rec_v = None
+        self.kabs: torch.Tensor | None = None
+        self.kT: torch.Tensor | None = None  # (B, H_kv, D, capacity): host-tier keys, channel-major
+        self.ch: torch.Tensor | None = None  # (B, H_kv, c) channels prefetched for this step
+        self.k_ch: torch.Tensor | None = None  # (B, H_kv, candidates, c) their keys
+        self.q_hat: torch.Tensor | None = None
+        self.sel_k = self.sel_v = None
+        self.plan = None  # (n_sinks, picked positions (B, H_kv, k) or None, n_recent) of this step
+        self.prefetched = 0
+        self.event = None  # CUDA: the prefetch's copy on the side stream
+
+    # -- tiers -----------------------------------------------------------------------------------
+    def _decide(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+        """This layer's tier, from the profile (or this prompt's queries with ``profile="auto"``)."""
+        p, layer = self.policy, self.info.layer
+        if p.profile is None:
+            self.tier = SPARSE
+            self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
+            return
+        if p.profile == "auto":
+            from kvpass.tailorkv import dense_preference
+
+            scores = self.shared.setdefault("tailorkv.scores", {})
+            if layer not in scores:
+                scores[layer] = dense_preference(q, k, p.calib_queries, p.calib_topk, scale)
+            self.score = scores[layer]
+        else:
+            self.score = p.profile.score(layer)
+        self.tier = QUANTISED if self.score > p.tau else SPARSE
+        if self.tier == SPARSE:
+            self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
+
+    @property
+    def n_sinks(self) -> int:
+        return min(self.policy.sinks, self.logical)
+
+    @property
+    def n_recent(self) -> int:
+        return min(self.policy.static_tokens - self.policy.sinks, self.logical - self.n_sinks)
+
+    def _load(self, k: torch.Tensor, v: torch.Tensor, dev: torch.device) -> None:
+        """A new sequence of ``L`` tokens ``k, v (B, H_kv, L, D)`` (the host views for a sparse layer)."""
+        p, length = self.policy, k.shape[2]
+        self.logical = length
+        if self.tier == QUANTISED:
+            r = p.residual
+            n_q = length // r * r  # whole residual chunks are quantised, the rest stays full precision
+            self.packed = PackedCache(k, v, p.quant_bits, p.group_size, n_q + 2 * r)
+            self.packed.append(k[:, :, :n_q].to(dev), v[:, :, :n_q].to(dev), r)
+            self.res_k = k.new_zeros((*k.shape[:2], r, k.shape[3]), device=dev)
+            self.res_v = v.new_zeros((*v.shape[:2], r, v.shape[3]), device=dev)
+            self.n_res = length - n_q
+            self.res_k[:, :, : self.n_res] = k[:, :, n_q:]
+            self.res_v[:, :, : self.n_res] = v[:, :, n_q:]
+            return
+        n_s, n_r = self.n_sinks, self.n_recent
+        # a channel-major copy of the keys in the host tier: the prefetch of c critical channels then
+        # reads c contiguous rows, c/D of the keys, instead of touching every key
+        b, h, _, d = k.shape
+        cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
+        self.kT = torch.zeros((b, h, d, cap), dtype=k.dtype, pin_memory=torch.cuda.is_available())
+        self.kT[:, :, :, :length] = k.transpose(2, 3)
+        self.sink_k, self.sink_v = k[:, :, :n_s].to(dev, copy=True), v[:, :, :n_s].to(dev, copy=True)
+        self.rec_k, self.rec_v = k[:, :, length - n_r :].to(dev, copy=True), v[:, :, length - n_r :].to(dev, copy=True)
+        self.kabs = k.abs().amax(dim=2).float().to(dev) if length else None
+
+    # -- the ops ---------------------------------------------------------------------------------
+    def _channel_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A view ``shape`` of the prefetch buffer of this layer's parity (two per backend)."""
+        bufs = self.shared.setdefault("tailorkv.channel_buffers", [None, None])
+        i = self.info.layer % 2
+        buf = bufs[i]
+        if (buf is None or buf.shape[:3] != shape[:3] or buf.shape[3] < shape[3]
+                or buf.dtype != like.dtype or buf.device != like.device):
+            cap = max(shape[3] + 256, int(buf.shape[3] * 1.5) if buf is not None else 0)
+            buf = bufs[i] = like.new_empty((*shape[:3], cap))
+        return buf[..., : shape[3]]
+
+    def prefetch(self, q_hat: torch.Tensor, past: int, estimated: bool) -> torch.Tensor:
+        """``kvpass::prefetch``: pick the critical channels of this layer from ``q_hat (B, H_q, 1, D)``
+        and copy those key channels of the top-k candidates from the host tier."""
+        ticket = torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
+        self.ch = self.k_ch = self.q_hat = None
+        if self.tier != SPARSE or q_hat.shape[2] != 1 or past == 0 or past != self.logical:
+            return ticket  # prefill, a quantised layer, or a sequence this state has not loaded
+        t0 = time.perf_counter()
+        self._prefetch(q_hat[:, :, 0], past + 1)
+        if estimated:
+            self.q_hat = q_hat[:, :, 0].clone()  # Inductor may reuse the input buffer after the op
+        self.overhead_decode_s += time.perf_counter() - t0
+        return ticket
+
+    def _ranges(self, length: int) -> tuple[int, int, int]:
+        """(n_sinks, end of the top-k candidates, n_recent) for a sequence of ``length`` tokens: the
+        device tier holds positions [0, n_sinks) and [length - n_recent, length)."""
+        p = self.policy
+        n_s = self.sink_k.shape[2]
+        n_r = min(p.static_tokens - p.sinks, length - n_s)
+        return n_s, length - n_r, n_r
+
+    def _prefetch(self, q_hat: torch.Tensor, length: int) -> None:
+        from kvpass.kernels.tailorkv import critical_channels
+
+        p = self.policy
+        n_s, mid_end, _ = self._ranges(length)
+        if mid_end - n_s <= p.topk:
+            return  # every candidate is fetched: nothing to score
+        c = min(p.critical_channels, q_hat.shape[-1])
+        self.ch = critical_channels(q_hat, self.kabs, c)  # (B, H_kv, c)
+        b, h = self.ch.shape[:2]
+        n = mid_end - n_s
+        channels = take_rows(self.kT, self.ch)[..., n_s:mid_end]  # (B, H_kv, c, n)
+        buf = self._channel_buffer((b, h, c, n), self.kabs.new_empty(0, dtype=channels.dtype))
+        if buf.is_cuda and not channels.is_cuda:
+            # the copy to the device runs on a side stream; the fetch waits on its event (written for
+            # GPUs, not exercised on the CPU machines this project is tested on)
+            stream = self.shared.setdefault("tailorkv.stream", torch.cuda.Stream(buf.device))
+            stream.wait_stream(torch.cuda.current_stream(buf.device))
+            with torch.cuda.stream(stream):
+                buf.copy_(channels.pin_memory(), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+        else:
+            buf.copy_(channels)
+        self.k_ch = buf.transpose(2, 3)  # (B, H_kv, n, c), as partial_topk takes it
+        moved = buf.numel() * buf.element_size()
+        self.bytes_moved += moved
+        self.prefetched += moved
+
+    def fetch(self, q: torch.Tensor, past: int) -> torch.Tensor:
+        """``kvpass::fetch``: score the candidates with the prefetched channels and the true query,
+        copy the top-k tokens' K and V to the device tier."""
+        ticket = super().fetch(q, past)
+        self.plan = None
+        if self.tier != SPARSE or q.shape[2] != 1 or past == 0 or past != self.logical:
+            return ticket
+        t0 = time.perf_counter()
+        if self.q_hat is not None:
+            cos = F.cosine_similarity(self.q_hat.float(), q[:, :, 0].float(), dim=-1).mean()
+            self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
+            self.cos_n += 1
+        self._wait(q.device)
+        self._fetch(q[:, :, 0], past + 1)
+        self.overhead_decode_s += time.perf_counter() - t0
+        return ticket
+
+    def _wait(self, device: torch.device) -> None:
+        """CUDA: make the current stream wait for the prefetch's copy."""
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+            self.event = None
+
+    def _fetch(self, q: torch.Tensor, length: int) -> None:
+        from kvpass.lowering.dispatch import partial_topk
+
+        p = self.policy
+        n_s, mid_end, n_r = self._ranges(length)
+        n_mid = mid_end - n_s
+        host_k, host_v = self.store.k, self.store.v
+        dev = q.device
+        if n_mid <= 0:
+            picked = None
+        elif n_mid <= p.topk:
+            picked = torch.arange(n_s, mid_end, device=dev).expand(*q.shape[:1], host_k.shape[1], -1)
+        else:
+            if self.k_ch is None:  # no prefetch ran for this step (first step of an adopted cache)
+                self._prefetch(q, length)
+                self._wait(dev)
+            idx, _ = partial_topk(q, self.k_ch, self.ch, p.topk, n_mid)
+            picked = idx + n_s  # k < n_mid: never -1
+        if picked is not None:
+            self.sel_k = take_rows(host_k, picked).to(dev, non_blocking=True)  # (B, H_kv, k, D)
+            self.sel_v = take_rows(host_v, picked).to(dev, non_blocking=True)
+            self.bytes_moved += self.sel_k.numel() * self.sel_k.element_size() + self.sel_v.numel() * self.sel_v.element_size()
+        self.plan = (n_s, picked, n_r)
+
+    # -- attention -------------------------------------------------------------------------------
+    def forward(self, call, owned: bool = False) -> torch.Tensor:
+        raise KVPassError(
+            "kvpass: TailorKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
+            "own_cache=True), the default): its layers hold a packed cache or a host tier, which a "
+            "StaticCache's device buffers cannot; drop cache_implementation='static'"
+        )
+
+    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
+        t = k_new.shape[2]
+        past = 0 if past_k is None else past_k.shape[2]
+        length = past + t
+        if valid_from_mask(attn_mask, length) is not None:
+            raise KVPassError(
+                "kvpass: TailorKV does not support left-padded batches (padding would be quantised and scored "
+                "with real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
+            )
+        scale = scale if scale > 0 else 1.0 / math.sqrt(q.shape[-1])
+        rows = stub_rows(past_k) if past else None
+        dev = q.device
+        if not past or rows is None:
+            # a new sequence: a prefill, or a cache filled outside kvpass (adopted at this step)
+            t0 = time.perf_counter()
+            self.reset()
+            k_all = k_new if not past else torch.cat([past_k, k_new], 2)
+            v_all = v_new if not past else torch.cat([past_v, v_new], 2)
+            self._decide(q, k_all, scale)
+            if self.tier == SPARSE:
+                self.store.append(None, None, k_all, v_all)
+                k_all, v_all = self.store.views()
+            call = _make_call(q, k_all, v_all, attn_mask, scale, is_causal, length)
+            if t > 1:
+                out = call.exact()  # prefill attends exactly
+                self._load(k_all, v_all, dev)
+                self.overhead_prefill_s += time.perf_counter() - t0
+                self.prefill_calls += 1
+                self.attended = length
+                self._account()
+                return out
+            # an adopted decode step: load everything before this token, then decode as usual
+            self._load(k_all[:, :, :past], v_all[:, :, :past], dev)
+            if self.tier == SPARSE:
+                self.store.length = past  # the decode path appends this step's token itself
+                self._fetch(q[:, :, 0], length)  # no fetch op ran for this step: fetch here
+            self.overhead_prefill_s += time.perf_counter() - t0
+            return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
+        if past != self.logical:
+            raise KVPassError(
+                f"kvpass: TailorKV cannot roll back or fork its cache (the model's cache says {past} tokens, "
+                f"this site holds {self.logical}); assisted decoding and cache crops need a policy that keeps "
+                f"every token in full precision"
+            )
+        b = self.store.k.shape[0] if self.tier == SPARSE else self.packed.b
+        if rows.shape[0] != b or (b > 1 and not torch.equal(rows, torch.arange(b, device=rows.device))):
+            raise KVPassError(
+                "kvpass: TailorKV does not follow a batch reordered between steps (beam search); use "
+                "num_beams=1 or a selection policy (Quest, ClusterKV)"
+            )
+        if t > 1:
+            return self._chunk(q, k_new, v_new, attn_mask, scale, is_causal)
+        return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
+
+    def _account(self) -> None:
+        if self.tier == QUANTISED:
+            self.physical = self.logical
+            self.kv_bytes = self.packed.nbytes() + 2 * self.res_k.numel() * self.res_k.element_size()
+        else:
+            self.physical = self.store.length
+            ts = (self.sink_k, self.sink_v, self.rec_k, self.rec_v, self.kabs, self.sel_k, self.sel_v)
+            self.kv_bytes = sum(x.numel() * x.element_size() for x in ts if x is not None)
+        self.length = self.logical
+
+    def _decode(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+        self.decode_calls += 1
+        self.steps += 1
+        self.logical += 1
+        if self.tier == QUANTISED:
+            out = self._decode_quantised(q, k_new, v_new, scale)
+        else:
+            self._host_append(k_new, v_new)
+            self.kabs = torch.maximum(self.kabs, k_new[:, :, 0].abs().float())
+            n_r = self.policy.static_tokens - self.policy.sinks
+            keep = n_r - 1 if self.rec_k.shape[2] >= n_r else self.rec_k.shape[2]
+            self.rec_k = torch.cat([self.rec_k[:, :, self.rec_k.shape[2] - keep :], k_new], 2)
+            self.rec_v = torch.cat([self.rec_v[:, :, self.rec_v.shape[2] - keep :], v_new], 2)
+            if self.plan is None:
+                raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
+                                  "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
+            hk, hv = self.store.views()
+            call = _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1)
+            idx = self._selection(call)
+            self.last_idx = idx
+            if self.probe is not None:
+                self.probe(self, call, idx)
+            out = self._attend_sparse(q, scale)
+            self.attended = -1
+        self._account()
+        return out
+
+    def _host_append(self, k_new, v_new) -> None:
+        st = self.store
+        end = st.length + k_new.shape[2]
+        st._reserve(k_new, v_new, end)
+        st.k[:, :, st.length : end] = k_new
+        st.v[:, :, st.length : end] = v_new
+        if self.kT.shape[3] < end:
+            kT = self.kT.new_zeros((*self.kT.shape[:3], st.k.shape[2]))
+            kT[..., : st.length] = self.kT[..., : st.length]
+            self.kT = kT
+        self.kT[:, :, :, st.length : end] = k_new.transpose(2, 3)
+        st.length = end
+
+    def _selection(self, call) -> torch.Tensor:
+        """(B, H_kv, N) positions attended at this step (for reports and the recall probe)."""
+        n_s, picked, n_r = self.plan
+        b, h = call.k.shape[:2]
+        dev = call.k.device
+        parts = [torch.arange(n_s, device=dev).expand(b, h, -1)]
+        if picked is not None:
+            parts.append(picked.to(dev))
+        parts.append(torch.arange(call.length - n_r, call.length, device=dev).expand(b, h, -1))
+        return torch.cat(parts, -1)
+
+    def _attend_sparse(self, q, scale) -> torch.Tensor:
+        from kvpass.lowering.dispatch import sparse_attention
+
+        ks, vs = [self.sink_k], [self.sink_v]
+        if self.plan[1] is not None:
+            ks.append(self.sel_k)
+            vs.append(self.sel_v)
+        k = torch.cat(ks + [self.rec_k], 2)
+        v = torch.cat(vs + [self.rec_v], 2)
+        self.plan = None
+        return sparse_attention(q[:, :, 0], k, v, None, None, scale).unsqueeze(2)
+
+    def _decode_quantised(self, q, k_new, v_new, scale) -> torch.Tensor:
+        from kvpass.lowering.dispatch import quant_attention
+
+        r = self.policy.residual
+        self.res_k[:, :, self.n_res : self.n_res + 1] = k_new
+        self.res_v[:, :, self.n_res : self.n_res + 1] = v_new
+        self.n_res += 1
+        kq, vq = self.packed.views()
+        out = quant_attention(q[:, :, 0], kq, vq, self.res_k[:, :, : self.n_res], self.res_v[:, :, : self.n_res], scale)
+        self.attended = self.logical
+        self.last_idx = None
+        if self.n_res == r:
+            t0 = time.perf_counter()
+            self.packed.append(self.res_k, self.res_v, r)
+            self.n_res = 0
+            self.overhead_decode_s += time.perf_counter() - t0
+        return out.unsqueeze(2)
+
+    def _chunk(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+        """Several new tokens on a running sequence (a second chat turn): exact attention over what the
+        layer holds (dequantised for a quantised layer), then the tokens join the cache."""
+        from kvpass.kernels.tailorkv import dequantize
+
+        t = k_new.shape[2]
+        self.prefill_calls += 1
+        if self.tier == SPARSE:
+            self._host_append(k_new, v_new)
+            hk, hv = self.store.views()
+            out = _make_call(q, hk, hv, attn_mask, scale, is_causal, hk.shape[2]).exact()
+            self.logical = hk.shape[2]
+            self._load(hk, hv, q.device)
+            self._account()
+            return out
+        kq, vq = self.packed.views()
+        k = torch.cat([dequantize(kq, q.dtype), self.res_k[:, :, : self.n_res], k_new], 2)
+        v = torch.cat([dequantize(vq, q.dtype), self.res_v[:, :, : self.n_res], v_new], 2)
+        out = _make_call(q, k, v, attn_mask, scale, is_causal, k.shape[2]).exact()
+        # the residual and the new tokens: whole chunks are quantised, the rest stays full precision
+        r = self.policy.residual
+        fk = torch.cat([self.res_k[:, :, : self.n_res], k_new], 2)
+        fv = torch.cat([self.res_v[:, :, : self.n_res], v_new], 2)
+        n_q = fk.shape[2] // r * r
+        self.packed.append(fk[:, :, :n_q], fv[:, :, :n_q], r)
+        self.n_res = fk.shape[2] - n_q
+        self.res_k[:, :, : self.n_res] = fk[:, :, n_q:]
+        self.res_v[:, :, : self.n_res] = fv[:, :, n_q:]
+        self.logical += t
+        self._account()
+        return out
+
+    # -- reports ---------------------------------------------------------------------------------
+    def host_bytes(self) -> int:
+        if self.tier != SPARSE:
+            return 0
+        return self.store.nbytes() + (self.kT.numel() * self.kT.element_size() if self.kT is not None else 0)
+
+    def metadata_bytes(self) -> int:
+        if self.tier != SPARSE:
+            return 0
+        bufs = self.shared.get("tailorkv.channel_buffers") or [None, None]
+        buf = bufs[self.info.layer % 2]
+        if buf is None:
+            return 0
+        # the double buffer is shared by the sparse layers of one parity: each carries its share
+        layers = self.shared.get("tailorkv.sparse_layers", {self.info.layer})
+        n = max(1, sum(1 for i in layers if i % 2 == self.info.layer % 2))
+        return buf.numel() * buf.element_size() // n
+
+    def estimate_cosine(self) -> float:
+        """Mean cosine similarity of the estimated query to the true one (NaN: no estimate)."""
+        return float(self.cos_sum) / self.cos_n if self.cos_n else float("nan")
+
+    def row(self):
+        r = super().row()
+        r["tier"] = self.tier or "-"
+        r["P"] = self.score if self.score is not None else float("nan")
+        r["estimate"] = self.info.estimate
+        r["estimate_cos"] = self.estimate_cosine()
+        if self.tier == QUANTISED and self.packed is not None:
+            fp16 = 2 * self.packed.n * (self.packed.d + self.packed.dv) * self.packed.b * self.packed.h
+            r["quant_ratio"] = self.packed.live_bytes() / fp16 if fp16 else float("nan")
+        return r

@@ -1,0 +1,253 @@
+"""Any way it is called: every policy with left-padded batches, no recompilation after warm-up, bounded
+device bytes over 2,000 decode steps, and clear errors for bad input."""
+
+import re
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from kvpass import CentroidKV, ClusterKV, Full, KVPassError, Quest, StreamingLLM, kvpass
+from families import SMALL, by_graph_key, left_padded, missing_from_small
+from sites import prefill_then_decode
+from tiny import prompt, tiny_llama
+
+
+# tiny models on one thread (tests/conftest.py says why)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_small_has_every_registered_policy():
+    missing = missing_from_small()
+    assert not missing, (
+        f"registered policies without a small-budget instance in tests/families.py SMALL: {missing}; add "
+        f"one so the padding, recompilation and bad-input tests cover them"
+    )
+
+
+class OnStep(StoppingCriteria):
+    """Runs ``fn(step)`` after every forward of ``generate`` (step 1: the prefill); never stops."""
+
+    def __init__(self, fn):
+        self.fn, self.step = fn, 0
+
+    def __call__(self, input_ids, scores, **kw):
+        self.step += 1
+        self.fn(self.step)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _greedy(forward, model, ids, new_tokens, **kw):
+    fwd = model.forward
+    model.forward = forward
+    try:
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, **kw)
+    finally:
+        model.forward = fwd
+
+
+# -- left padding ------------------------------------------------------------------------------------
+PADDING_REFUSAL = r"left-padded.*run each prompt alone"  # what is wrong, and the fix
+
+
+def test_left_padded_batches_every_policy_equals_rows_alone_or_refuses():
+    """Batches of 2 and 4 prompts of different lengths, left-padded: each row equals that row run alone
+    with the same policy (tokens and logits), or the policy refuses with a KVPassError naming the fix.
+    One compilation per graph key: the policies are swapped with ``set_policy``."""
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
+    rows = [prompt(n, seed=10 + n)[0] for n in (30, 22, 26, 17)]
+    new = 5
+    outcome, problems = {}, []
+    for group in by_graph_key(SMALL):
+        be = kvpass(SMALL[group[0]], strict=True)
+        fwd = torch.compile(model.forward, backend=be)
+        for name in group:
+            be.set_policy(SMALL[name])
+            alone = {}
+            for batch in (2, 4):
+                ids, mask = left_padded(rows[:batch])
+                try:
+                    out = _greedy(fwd, model, ids, new, attention_mask=mask)
+                except (KVPassError, ValueError) as e:
+                    outcome[name, batch] = "refused"
+                    if not re.search(PADDING_REFUSAL, str(e)):
+                        problems.append(f"{name} batch {batch}: unclear refusal: {e}")
+                    continue
+                outcome[name, batch] = "handled"
+                for i, r in enumerate(rows[:batch]):
+                    if i not in alone:
+                        alone[i] = _greedy(fwd, model, r[None], new)
+                    a = alone[i]
+                    if not torch.equal(out.sequences[i, -new:], a.sequences[0, -new:]):
+                        problems.append(f"{name} batch {batch} row {i}: tokens differ from the row alone")
+                    elif not all(torch.allclose(x[i], y[0], atol=1e-4, rtol=1e-4)
+                                 for x, y in zip(out.logits, a.logits)):
+                        problems.append(f"{name} batch {batch} row {i}: logits differ from the row alone")
+    assert not problems, "\n".join(problems)
+    # a policy answers both batch sizes the same way, and the exact baseline always handles padding
+    for name in SMALL:
+        assert outcome[name, 2] == outcome[name, 4], (name, outcome)
+    assert outcome["Full", 2] == outcome["StreamingLLM", 2] == "handled", outcome
+
+
+# -- no recompilation after warm-up ---------------------------------------------------------------------
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decoding_compiles_nothing_after_warm_up(cache):
+    """After the prefill and two decode steps (the last graph a decode with a symbolic length), later
+    decode steps compile nothing, for every policy (a policy that cannot serve the cache type refuses
+    with a KVPassError naming the fix)."""
+    model = tiny_llama(layers=2)
+    ids = prompt(30)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    compiled_after, refused = {}, {}
+    for group in by_graph_key(SMALL):
+        be = kvpass(SMALL[group[0]], strict=True)
+        fwd = torch.compile(model.forward, backend=be)
+        for name in group:
+            be.set_policy(SMALL[name])
+            seen = {}
+
+            def hook(step, seen=seen):
+                if step == 3:  # prefill + 2 decode steps done
+                    seen["warm-up graphs"] = counters["stats"]["unique_graphs"]
+                    counters.clear()
+                elif step > 3:
+                    seen["after"] = counters["stats"]["unique_graphs"] + sum(counters["frames"].values())
+
+            counters.clear()
+            try:
+                _greedy(fwd, model, ids, 7, stopping_criteria=StoppingCriteriaList([OnStep(hook)]), **kw)
+            except KVPassError as e:
+                refused[name] = str(e)
+                continue
+            compiled_after[name] = seen["after"]
+            if name == group[0]:
+                assert seen["warm-up graphs"] >= 2, seen  # the counters do see compilation
+    assert compiled_after == {name: 0 for name in compiled_after}, compiled_after
+    assert "Full" in compiled_after and "StreamingLLM" in compiled_after
+    for name, msg in refused.items():
+        assert cache == "static" and "DynamicCache" in msg, (name, msg)
+
+
+# -- memory over a long decode ----------------------------------------------------------------------------
+def _sample_rows(be, every):
+    samples = []
+
+    def hook(step):
+        if step % every == 0:
+            samples.append(be.report_rows())
+
+    return samples, StoppingCriteriaList([OnStep(hook)])
+
+
+def test_centroidkv_device_bytes_stay_within_budget_over_2000_steps():
+    """CentroidKV(budget=B) holds at most B slots per KV head; with its fp32 degree a slot costs
+    2*D*itemsize + 4 bytes, so a site's device bytes never exceed batch * H_kv * B * that (read from the
+    report, which counts the buffers' real sizes), however long the decode."""
+    budget, steps = 64, 2000
+    policy = CentroidKV.with_budget(budget, sinks=4, recent=16, step=16, chunk=32, outlier_heads=0.0)
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, positions=4096)
+    ids = prompt(100)
+    be = kvpass(policy, strict=True)
+    samples, stop = _sample_rows(be, 100)
+    _greedy(torch.compile(model.forward, backend=be), model, ids, steps, stopping_criteria=stop)
+    bound = 1 * 2 * budget * (2 * 16 * 4 + 4)
+    full_kv = 1 * 2 * (100 + steps) * 2 * 16 * 4  # what Full holds at the end
+    assert len(samples) == steps // 100
+    for rows in samples:
+        for r in rows:
+            assert r["tokens_held"] <= budget, r
+            assert 0 < r["device_bytes"] <= bound, (r["tokens_logical"], r["device_bytes"], bound)
+    last = samples[-1]
+    assert all(r["tokens_logical"] == 100 + steps - 1 and r["merge_rounds"] > 0 for r in last)
+    assert all(r["device_bytes"] * 10 < full_kv for r in last)
+
+
+def test_clusterkv_offload_keeps_every_token_in_the_host_tier():
+    """ClusterKV recalls from the whole cache, so the report counts all of it in the host tier with
+    offload=True, and less on the device. (Quest keeps every token on the device: test_policies.py.)"""
+    steps, n = 200, 40
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, positions=1024)
+    kv_bytes = 1 * 2 * (n + steps - 1) * 2 * 16 * 4  # keys and values of every token, one site
+    policy = ClusterKV(budget=32, sinks=4, tokens_per_cluster=8, decode_window=32, decode_clusters=4,
+                       dense_layers=(), offload=True)
+    be = kvpass(policy, strict=True)
+    _greedy(torch.compile(model.forward, backend=be), model, prompt(n), steps)
+    for r in be.report_rows():
+        assert r["tokens_logical"] == n + steps - 1
+        assert r["host_bytes"] >= kv_bytes and r["device_bytes"] < r["host_bytes"], r
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ClusterKV(budget=8, sinks=16), r"ClusterKV needs budget > sinks \(16\), got budget=8"),
+        (lambda: StreamingLLM.with_budget(4, sinks=4),
+         r"StreamingLLM needs budget > sinks \(4\), got budget=4"),
+        (lambda: CentroidKV.with_budget(20, sinks=16),
+         r"budget > sinks \+ recent \+ step \(144\), got budget=20; lower sinks/recent/step or raise budget"),
+        (lambda: Quest(budget=8, page_size=16), r"budget >= 2 \* page_size \(32\).*got budget=8"),
+    ],
+    ids=["ClusterKV", "StreamingLLM", "CentroidKV", "Quest"],
+)
+def test_budget_below_sinks_names_the_fix(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_non_finite_keys(name, bad):
+    """What kvpass does today with a non-finite key (one channel of one token): no policy crashes, and a
+    step that attends every token (Full, or a budget covering the context) gives exactly the NaNs of
+    exact attention; a selection that leaves the token out gives finite output (see the report of
+    issue 7: a KVPassError would need a check per step)."""
+    policy = SMALL[name]
+
+    def keys(shape):
+        k = torch.randn(shape)
+        if shape[2] > 1:
+            k[:, :, 30, 3] = bad
+        return k
+
+    outs = prefill_then_decode(policy, length=60, steps=2, owned=True, keys=keys)
+    q, k, v, out, idx = outs[-1]
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k, v, enable_gqa=True
+    )[:, :, 0]
+    assert out.shape == exact.shape
+    if idx is None and name != "CentroidKV":  # CentroidKV attends merged slots, never the raw keys
+        assert torch.equal(out.isnan(), exact.isnan())
+    else:
+        assert exact.isnan().any()  # the exact answer is NaN somewhere; a compressed one may not be
+
+
+def test_head_dims_the_kernels_cannot_take():
+    """On CPU the torch references serve any head_dim (here 320); the Triton launchers, which hold a key
+    row in one block, refuse D > 256 with the limit and the way out in the message."""
+    from kvpass.kernels import centroid, clusterkv
+
+    for name in ("Full", "Quest", "ClusterKV", "CentroidKV"):
+        outs = prefill_then_decode(SMALL[name], length=40, steps=1, d=320, owned=True)
+        assert torch.isfinite(outs[-1][3]).all()
+    keys = torch.randn(1, 2, 64, 320)
+    with pytest.raises(ValueError, match=r"head dim D <= 256.*got D=320; use \w+_ref"):
+        clusterkv.cosine_kmeans(keys, 4, use_triton=True)
+    with pytest.raises(ValueError, match=r"head dim D <= 256"):
+        centroid.chunk_match(keys, 0, 64, 16)
+
+
+def test_model_without_attention_runs_exact_and_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).eval()
+    x = torch.randn(3, 16)
+    be = kvpass(Full())
+    counters.clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match="no attention site found .* the model runs exact"):
+        out = torch.compile(model, backend=be)(x)
+    torch.testing.assert_close(out, model(x))
+    assert be.graphs and not any(g.sites or g.unmatched for g in be.graphs)
+    assert counters["kvpass"]["sites_rewritten"] == 0
+    assert "no attention site found in 1 compiled graph(s): the model runs exact" in be.report()

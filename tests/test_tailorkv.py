@@ -1,0 +1,361 @@
+"""TailorKV (arXiv 2505.19586) as a policy: validation, the profile and its calibration against the
+definition computed from eager attention weights, sparse layers' selections against a plain oracle,
+quantised layers against a hand-written 1-bit cache, the cross-layer query estimate against the
+model's own modules, and end-to-end equality with Full when the budget covers the context."""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpass import Full, KVPassError, TailorKV, kvpass
+from kvpass.runtime import Runtime
+from kvpass.tailorkv import Profile, calibrate, config_key, load_profile
+from sites import as_sets, attend_oracle, prefill_then_decode
+from tiny import generate, prompt, tiny_llama
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"quant_bits": 3}, "quant_bits 1 or 2"),
+        ({"group_size": 12}, "multiple of 8 // quant_bits = 8"),
+        ({"quant_bits": 2, "group_size": 6}, "multiple of 8 // quant_bits = 4"),
+        ({"residual": 96}, "residual to be a multiple of group_size"),
+        ({"residual": 32}, "residual >= 64"),
+        ({"static_tokens": 16}, "static_tokens > sinks"),
+        ({"sparse_budget": 128}, "sparse_budget > static_tokens"),
+        ({"critical_channels": 0}, "critical_channels >= 1"),
+        ({"tau": -0.1}, "tau >= 0"),
+        ({"calib_topk": 0}, "0 < calib_topk <= 1"),
+        ({"profile": 3}, "profile None, 'auto', a path"),
+        ({"profile": "/nonexistent/p.json"}, "does not exist; make one with kvpass.tailorkv.calibrate"),
+        ({"sparse_budget": 1024.0}, "integer sparse_budget"),
+    ],
+)
+def test_bad_values_name_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TailorKV(**kw)
+
+
+def test_graph_key_and_budget():
+    p = TailorKV()
+    assert p.fetches and p.prefetches and p.topk == 1024 - 128
+    assert p.graph_key() != Full().graph_key()
+    assert TailorKV.with_budget(256).sparse_budget == 256
+    assert len({TailorKV().key(), TailorKV(tau=0.3).key(), TailorKV(critical_channels=4).key()}) == 3
+
+
+# -- the profile -------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(
+    scores=st.lists(st.floats(0, 1, allow_nan=False), min_size=1, max_size=12),
+    tau=st.floats(0, 1, allow_nan=False),
+)
+def test_profile_round_trips(tmp_path_factory, scores, tau):
+    prof = Profile("abc123", "llama", tuple(enumerate(scores)), tau=tau, prompts=2, prompt_tokens=(10, 20))
+    path = prof.save(tmp_path_factory.mktemp("p") / "p.json")
+    back = Profile.load(path)
+    assert back == prof
+    assert back.quantised() == tuple(i for i, p in enumerate(scores) if p > tau)
+    d = json.loads(path.read_text())
+    assert [r["tier"] for r in d["layers"]] == ["quantised" if p > tau else "sparse" for p in scores]
+    assert TailorKV(profile=str(path)).profile == prof
+
+
+def test_profile_is_keyed_by_config_not_name(tmp_path):
+    m = tiny_llama(layers=2)
+    other = tiny_llama(layers=3)
+    m.config._name_or_path = "somewhere/else"
+    assert config_key(m.config) == config_key(tiny_llama(layers=2).config)
+    assert config_key(m.config) != config_key(other.config)
+    prof = Profile(config_key(other.config), "llama", ((0, 0.5), (1, 0.1), (2, 0.0)))
+    prof.save(tmp_path / "p.json")
+    with pytest.raises(KVPassError, match="calibrated for another config"):
+        load_profile(tmp_path / "p.json", m)
+    assert load_profile(tmp_path / "p.json", other) == prof
+    with pytest.raises(KVPassError, match="has no layer 5"):
+        prof.score(5)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(KVPassError, match="not a TailorKV profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def _eager_dense_preference(model, ids, n_q, topk):
+    """The definition, from the attention weights of the eager implementation: per layer, the mean
+    over heads and the last n_q queries of 1 - (sum of the top ceil(topk * L) weights)."""
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            att = model(ids, output_attentions=True).attentions
+    finally:
+        model.config._attn_implementation = "sdpa"
+    out = {}
+    length = ids.shape[1]
+    k = math.ceil(topk * length)
+    for layer, a in enumerate(att):
+        rows = a[0, :, length - n_q :].double()  # (H, n_q, L)
+        out[layer] = float((1 - rows.topk(k, dim=-1).values.sum(-1)).mean())
+    return out
+
+
+def test_calibrate_matches_the_definition_from_eager_attention(tmp_path):
+    m = tiny_llama(layers=3, seed=3)
+    prompts = [prompt(96, seed=5), prompt(130, seed=6)]
+    prof = calibrate(m, prompts, tmp_path / "prof.json", calib_queries=16, calib_topk=0.1)
+    want = [_eager_dense_preference(m, p, 16, 0.1) for p in prompts]
+    assert [i for i, _ in prof.scores] == [0, 1, 2]
+    for layer, p in prof.scores:
+        assert p == pytest.approx((want[0][layer] + want[1][layer]) / 2, abs=1e-4)
+    assert prof.prompt_tokens == (96, 130) and prof.config_key == config_key(m.config)
+    assert Profile.load(tmp_path / "prof.json") == prof
+    text = prof.describe(tau=prof.scores[1][1])
+    assert "quantised" in text or "sparse" in text
+
+
+# -- sparse layers against an oracle ----------------------------------------------------------------
+def _sparse_oracle(q_hat, q, k_past, policy):
+    """Positions a sparse layer must attend for the query ``q (B, H_q, D)`` and estimate ``q_hat``,
+    over the ``k_past (B, H_kv, L-1, D)`` cached before this step, computed with plain loops."""
+    b_, hkv, past, d = k_past.shape
+    length = past + 1
+    g = q.shape[1] // hkv
+    n_s = min(policy.sinks, past)
+    n_r = min(policy.static_tokens - policy.sinks, length - n_s)
+    mid = list(range(n_s, length - n_r))
+    c = min(policy.critical_channels, d)
+    sets = {}
+    for b in range(b_):
+        for h in range(hkv):
+            chosen = set(range(n_s)) | set(range(length - n_r, length))
+            if len(mid) <= policy.topk:
+                chosen |= set(mid)
+            else:
+                kabs = [max(abs(float(k_past[b, h, t, i])) for t in range(past)) for i in range(d)]
+                s = [sum(abs(float(q_hat[b, h * g + j, i])) for j in range(g)) * kabs[i] for i in range(d)]
+                ch = sorted(sorted(range(d), key=lambda i: (-s[i], i))[:c])
+                qs = [sum(float(q[b, h * g + j, i]) for j in range(g)) for i in range(d)]
+                approx = {t: sum(qs[i] * float(k_past[b, h, t, i]) for i in ch) for t in mid}
+                chosen |= set(sorted(mid, key=lambda t: (-approx[t], t))[: policy.topk])
+            sets[(b, h)] = chosen
+    return sets
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"sparse_budget": 40, "static_tokens": 20, "sinks": 4, "critical_channels": 16},  # all channels
+        {"sparse_budget": 40, "static_tokens": 20, "sinks": 4, "critical_channels": 3},
+        {"sparse_budget": 64, "static_tokens": 9, "sinks": 8, "critical_channels": 5},
+        {"sparse_budget": 400, "static_tokens": 20, "sinks": 4},  # covers the context: every token
+    ],
+)
+@pytest.mark.parametrize("estimated", [False, True])
+def test_sparse_layer_attends_the_oracles_tokens(kw, estimated):
+    policy = TailorKV(**kw)  # profile=None: every layer sparse
+    noise = torch.Generator().manual_seed(9)
+    hats = []
+
+    def estimate(q):
+        hats.append(q + 0.5 * torch.randn(q.shape, generator=noise))
+        return hats[-1]
+
+    rt = Runtime(policy)
+    steps = prefill_then_decode(policy, length=120, steps=4, owned=True, rt=rt,
+                                estimate=estimate if estimated else None)
+    st_ = rt.state(0)
+    for i, (q, k, v, out, idx) in enumerate(steps):
+        q_hat = hats[i][:, :, 0] if estimated else q
+        want = _sparse_oracle(q_hat, q, k[:, :, :-1], policy)
+        assert as_sets(idx) == want
+        n = len(next(iter(want.values())))
+        assert all(len(s) == n for s in want.values()) and n == min(policy.sparse_budget, k.shape[2])
+        ref = attend_oracle(q, k, v, {key: sorted(s) for key, s in want.items()}, 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    assert st_.tier == "sparse" and st_.host_bytes() > 0 and st_.bytes_moved > 0
+    if estimated:
+        want_cos = sum(float(torch.nn.functional.cosine_similarity(h[:, :, 0], q_, dim=-1).mean())
+                       for h, (q_, *_) in zip(hats, steps)) / len(steps)
+        assert st_.estimate_cosine() == pytest.approx(want_cos, abs=1e-5)
+    else:
+        assert math.isnan(st_.estimate_cosine())
+
+
+# -- quantised layers against a hand-written 1-bit cache -----------------------------------------------
+def _quant_dequant(x, bits, group, axis):
+    """Asymmetric quantise-dequantise by groups (fp16 scale and zero), written out in plain torch."""
+    levels = (1 << bits) - 1
+    xt = x if axis == "channel" else x.transpose(2, 3)  # groups along dim 2
+    b, h, n, m = xt.shape
+    xg = xt.float().reshape(b, h, n // group, group, m)
+    lo, hi = xg.min(3, keepdim=True).values, xg.max(3, keepdim=True).values
+    zero = lo.half().float()
+    scale = ((hi - lo) / levels).half().float()
+    code = torch.where(scale > 0, torch.floor((xg - zero) / torch.where(scale > 0, scale, 1) + 0.5), 0)
+    out = (zero + code.clamp(0, levels) * scale).reshape(b, h, n, m)
+    return (out if axis == "channel" else out.transpose(2, 3)).to(x.dtype)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_quantised_layer_equals_attention_over_the_hand_quantised_cache(bits):
+    policy = TailorKV(profile="auto", tau=-0.0, quant_bits=bits, group_size=16, residual=32)
+    rt = Runtime(policy)
+    # 150 prompt tokens: 128 quantised, 22 in the residual; 12 steps cross a flush at 160
+    steps = prefill_then_decode(policy, length=150, steps=12, owned=True, rt=rt, d=16)
+    st_ = rt.state(0)
+    assert st_.tier == "quantised" and st_.packed.n == 160 and st_.n_res == 2
+    for i, (q, k, v, out, _) in enumerate(steps):
+        length = k.shape[2]
+        n_q = 128 if length <= 160 else 160  # the flush happens after the step that fills the residual
+        kk = torch.cat([_quant_dequant(k[:, :, :n_q], bits, 16, "channel"), k[:, :, n_q:]], 2)
+        vv = torch.cat([_quant_dequant(v[:, :, :n_q], bits, 16, "token"), v[:, :, n_q:]], 2)
+        every = {(b, h): list(range(length)) for b in range(k.shape[0]) for h in range(k.shape[1])}
+        ref = attend_oracle(q, kk, vv, every, 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    if bits == 1:
+        # 1-bit codes take only the two levels of their group
+        kq, _ = st_.packed.views()
+        from kvpass.kernels.tailorkv import dequantize
+
+        deq = dequantize(kq).float().reshape(2, 2, 10, 16, 16)
+        assert all(len(torch.unique(deq[b, h, gi, :, c])) <= 2 for b in range(2) for h in range(2)
+                   for gi in range(10) for c in range(16))
+
+
+def test_one_bit_layer_holds_a_tenth_of_fp16_with_scales():
+    policy = TailorKV(profile="auto", tau=-0.0)
+    rt = Runtime(policy)
+    prefill_then_decode(policy, b=1, hkv=3, g=3, d=64, length=1024, steps=1, owned=True, rt=rt)
+    st_ = rt.state(0)
+    row = st_.row()
+    assert row["tier"] == "quantised" and row["quant_ratio"] <= 0.1
+    # 1024 tokens packed: 1 bit per element plus an fp16 scale and zero per 64 elements, K and V
+    assert st_.packed.live_bytes() == 2 * 3 * 1024 * 64 * (1 / 8 + 4 / 64)
+    # everything held is counted: the packed buffers (with room for decoding) and the fp32 residual
+    res = 2 * 3 * 128 * 64 * 4
+    assert row["device_bytes"] == st_.packed.nbytes() + res and row["host_bytes"] == 0
+    assert row["device_bytes"] < 0.2 * 2 * 3 * 1025 * 64 * 4
+
+
+# -- the model end to end --------------------------------------------------------------------------
+def test_covering_budget_all_sparse_equals_eager():
+    m = tiny_llama(layers=3)
+    ids = prompt(200)
+    ref = generate(m, ids, new_tokens=8)
+    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64))
+    assert torch.equal(generate(m, ids, new_tokens=8, backend=be), ref)
+    rows = be.report_rows()
+    assert [r["tier"] for r in rows] == ["sparse"] * 3
+    assert rows[0]["estimate"].startswith("none (first site")
+    assert [r["estimate"] for r in rows[1:]] == ["layer 0", "layer 1"]
+    assert all(r["host_bytes"] > 0 for r in rows)
+
+
+def test_compressing_run_reports_tiers_traffic_and_estimate():
+    m = tiny_llama(layers=3, seed=2)
+    ids = prompt(300)
+    prof = Profile(config_key(m.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
+    be = kvpass(TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32))
+    out = generate(m, ids, new_tokens=6, backend=be)
+    assert out.shape == (1, 306)
+    rows = be.report_rows()
+    assert [r["tier"] for r in rows] == ["quantised", "sparse", "sparse"]
+    assert rows[0]["host_bytes"] == 0 and rows[0]["quant_ratio"] < 0.25
+    for r in rows[1:]:
+        assert r["tokens_attended"] == 96 and r["bytes_moved"] > 0
+        assert 0.5 < r["estimate_cos"] <= 1.0  # adjacent layers' residual streams are similar
+    assert "estimate" in be.report() or rows
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_estimated_query_equals_the_models_own_modules(dynamic):
+    """q̂_l = RoPE(q_proj_l(norm_l(h_{l-1}))), computed from the eager model's hidden states (also in
+    graphs compiled dynamic from the start, where Inductor's rewrites leave norm nodes without a
+    module)."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    m = tiny_llama(layers=3, seed=4)
+    ids = prompt(150, seed=2)
+    # a covering budget: attention is exact, so the eager model's hidden states are the compiled ones
+    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=32, sinks=4))
+    f = torch.compile(m.forward, backend=be, dynamic=dynamic)
+    cache = DynamicCache(config=m.config)
+    seq = ids
+    with torch.no_grad():
+        logits = f(ids, past_key_values=cache, use_cache=True).logits
+        for _ in range(3):
+            tok = logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, tok], 1)
+            logits = f(tok, past_key_values=cache, use_cache=True).logits
+        hs = m(seq, output_hidden_states=True).hidden_states  # hs[i]: the input of layer i
+    pos = torch.tensor([[seq.shape[1] - 1]])
+    layers = m.model.layers
+    for layer in (1, 2):
+        h = hs[layer - 1][:, -1:]
+        attn = layers[layer].self_attn
+        q = attn.q_proj(layers[layer].input_layernorm(h)).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        cos, sin = m.model.rotary_emb(h, pos)
+        q_hat, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        got = be.runtime.state(layer).q_hat
+        torch.testing.assert_close(got, q_hat[:, :, 0].detach(), atol=1e-5, rtol=1e-5)
+    assert [r["estimate"] for r in be.report_rows()] == ["none (first site: no earlier layer)", "layer 0", "layer 1"]
+
+
+def test_adopted_cache_continues_like_the_compiled_prefill():
+    from transformers import DynamicCache
+
+    m = tiny_llama(layers=2, seed=1)
+    ids = prompt(160, seed=3)
+    pol = TailorKV(sparse_budget=64, static_tokens=24, sinks=4)
+    outs = []
+    for adopt in (False, True):
+        be = kvpass(pol)
+        f = torch.compile(m.forward, backend=be)
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            logits = (m if adopt else f)(ids, past_key_values=cache, use_cache=True).logits
+            toks = []
+            for _ in range(4):
+                tok = logits[:, -1:].argmax(-1)
+                toks.append(tok)
+                logits = f(tok, past_key_values=cache, use_cache=True).logits
+        outs.append((torch.cat(toks, 1), logits))
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_second_turn_chunk_continues_the_cache():
+    from transformers import DynamicCache
+
+    m = tiny_llama(layers=2, seed=1)
+    ids, more = prompt(100, seed=3), prompt(7, seed=4)
+    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64))
+    f = torch.compile(m.forward, backend=be)
+    cache, ref_cache = DynamicCache(config=m.config), DynamicCache(config=m.config)
+    with torch.no_grad():
+        f(ids, past_key_values=cache, use_cache=True)
+        got = f(more, past_key_values=cache, use_cache=True).logits
+        m(ids, past_key_values=ref_cache, use_cache=True)
+        want = m(more, past_key_values=ref_cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert be.runtime.state(0).logical == 107
+
+
+def test_refusals_name_the_fix():
+    m = tiny_llama(layers=2)
+    ids = prompt(40)
+    with pytest.raises(Exception, match="TailorKV does not support left-padded"):
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:, 3:]], 1)
+        mask = torch.ones_like(padded)
+        mask[:, :3] = 0
+        generate(m, torch.cat([padded, ids]), new_tokens=2, backend=kvpass(TailorKV()),
+                 attention_mask=torch.cat([mask, torch.ones_like(ids)]))
+    with pytest.raises(Exception, match="needs the runtime to own the cache|StaticCache"):
+        generate(m, ids, new_tokens=2, backend=kvpass(TailorKV()), cache_implementation="static")
+    with pytest.raises(Exception, match="beam search"):
+        generate(m, ids, new_tokens=3, backend=kvpass(TailorKV()), num_beams=2)
