@@ -64,10 +64,36 @@ class KVPassBackend:
     def _site_id(self, path: str, layer: int | None) -> int:
         with self._lock:
             if path not in self._site_ids:
-                used = set(self._site_ids.values())
-                sid = layer if layer is not None and layer not in used else max(used | {999}) + 1
+                sid = self._same_module(path, layer)
+                if sid is None:
+                    used = set(self._site_ids.values())
+                    sid = layer if layer is not None and layer not in used else max(used | {999}) + 1
                 self._site_ids[path] = sid
             return self._site_ids[path]
+
+    def _same_module(self, path: str, layer: int | None) -> int | None:
+        """The site of a path already seen that names the same module from another frame's root, or None.
+
+        A graph break can make dynamo compile an inner module's forward as a frame of its own
+        (transformers 4.57's StaticCache decode: ``LlamaModel.forward``), whose paths drop the outer
+        prefix (``layers.0.self_attn`` for ``model.layers.0.self_attn``); a second site for that layer
+        would decode from a state that never saw the prefill. Paths are merged only when every path of
+        the candidate site is a dotted suffix of this one or has it as one, the layer index is in both,
+        and exactly one site qualifies (``layers.0.self_attn`` next to ``encoder.layers.0...`` and
+        ``decoder.layers.0...`` is ambiguous and gets a site of its own)."""
+        from kvpass.patterns.attention import layer_of
+
+        if layer is None or layer_of(path) != layer:
+            return None
+
+        def related(other: str) -> bool:
+            return layer_of(other) == layer and (other.endswith("." + path) or path.endswith("." + other))
+
+        by_site: dict[int, list[str]] = {}
+        for p, sid in self._site_ids.items():
+            by_site.setdefault(sid, []).append(p)
+        hits = [sid for sid, paths in by_site.items() if all(related(p) for p in paths)]
+        return hits[0] if len(hits) == 1 else None
 
     def _record_graph(self, kind: str, rows: list[dict], unmatched: list) -> None:
         from kvpass.lowering.graph_pass import GraphRecord

@@ -3,13 +3,15 @@
 Loads the bundled SmolLM2-135M-Instruct, hides "The secret passcode is 7391." at 40% depth of about
 4,096 tokens of real English prose (CPython's ``pydoc_data.topics``, the Python reference manual), asks
 for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` twice:
-with ``Full`` and with the compressed policy (default ``Quest(budget=1024, page_size=16)``).
+with ``Full`` and with the compressed policy (default ``Quest(budget=1024, page_size=16)``). A policy
+that rewrites the graph as Full does (the same ``graph_key()``) runs on Full's compiled graphs through
+``backend.set_policy``; one that inserts ops of its own (offload, TailorKV) gets its own compile.
 
 For each policy it prints the answer, whether it holds the fact, prefill seconds, decode milliseconds
 per token, and the cache the sites hold and attend; then the decode speed ratio.
 
 How the timing works: ``torch.compile(..., dynamic=True)`` makes the sequence length symbolic from
-the first compile, so dynamo compiles two graphs per policy, one prefill and one decode, each good for
+the first compile, so dynamo compiles two graphs per backend, one prefill and one decode, each good for
 any length (with the default ``dynamic=None`` it compiles three: prefill, a first decode specialised
 to the prompt length, then a symbolic decode at the second step). A warm-up ``generate`` of 2 tokens on
 the first 64 prompt tokens compiles both, so the timed ``generate`` compiles nothing (checked: the demo
@@ -177,27 +179,39 @@ def _answer(tokenizer, new_ids: list[int]) -> str:
 WARMUP_TOKENS = 64
 
 
-def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, step) -> Result:
-    """Warm up (compile), then time one greedy generate through ``kvpass(policy)``."""
+def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, step, compiled=None):
+    """Warm up (compile), then time one greedy generate through ``kvpass(policy)``.
+
+    ``compiled``: the ``(backend, compiled forward)`` of an earlier policy. When ``policy`` rewrites the
+    graph the same way (same ``graph_key()``: Full, StreamingLLM, Quest, ClusterKV without offload,
+    CentroidKV), its graphs are reused through ``set_policy`` and nothing is compiled again; otherwise
+    dynamo is reset and a new backend compiles. Returns ``(result, (backend, compiled forward))``."""
     import warnings
 
     from kvpass import kvpass
 
-    torch._dynamo.reset()
-    backend = kvpass(policy)
     name = policy.describe()
     fwd = model.forward
-    model.forward = torch.compile(fwd, backend=backend, dynamic=True)
+    if compiled is not None and compiled[0].policy.graph_key() == policy.graph_key():
+        backend, cfwd = compiled
+        backend.set_policy(policy)  # every site starts afresh with the new policy
+        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graphs compiled for {compiled[0].policy.name} serve it)"
+    else:
+        torch._dynamo.reset()
+        backend = kvpass(policy)
+        cfwd = torch.compile(fwd, backend=backend, dynamic=True)
+        what = f"{name}: compiling the prefill and decode graphs (warm-up on {WARMUP_TOKENS} tokens)"
+    model.forward = cfwd
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # listed in the result
-            with step(f"{name}: compiling the prefill and decode graphs (warm-up on {WARMUP_TOKENS} tokens)"):
+            with step(what):
                 t0 = time.perf_counter()
                 warm = ids[:, :WARMUP_TOKENS]
                 model.generate(warm, attention_mask=torch.ones_like(warm),
                                generation_config=_generation_config(model, 2))
                 compile_s = time.perf_counter() - t0
-            compiled = len(backend.graphs)
+            n_graphs = len(backend.graphs)
             with step(f"{name}: prefill {ids.shape[1]} tokens, then decode {new_tokens}"):
                 stamps = _Stamps()
                 start = time.perf_counter()
@@ -214,7 +228,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
         prefill_s=t[0] - start,
         decode_ms=1000 * (t[-1] - t[0]) / max(1, len(t) - 1),
         compile_s=compile_s,
-        recompiled=len(backend.graphs) - compiled,
+        recompiled=len(backend.graphs) - n_graphs,
     )
     rows = backend.report_rows()
     sites = [r for r in rows if "reason" not in r]
@@ -226,8 +240,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
         res.logical = max(r.get("tokens_logical", 0) for r in sites)
         res.device_bytes = sum(r.get("device_bytes", 0) for r in sites)
         res.host_bytes = sum(r.get("host_bytes", 0) for r in sites)
-    torch._dynamo.reset()
-    return res
+    return res, (backend, cfwd)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,12 +336,15 @@ def _run(policy, context: int, new_tokens: int) -> int:
     print(f"  {n} tokens of Python reference prose; {FACT!r} at token {fact_at} "
           f"({100 * fact_at / n:.0f}% depth); question: {QUESTION!r}\n", flush=True)
 
-    results = []
-    for p in policies:
-        r = run_policy(model, tokenizer, ids, p, new_tokens, step)
-        print(f"{r.policy}:")
-        _print_result(r)
-        results.append(r)
+    results, compiled = [], None
+    try:
+        for p in policies:
+            r, compiled = run_policy(model, tokenizer, ids, p, new_tokens, step, compiled)
+            print(f"{r.policy}:")
+            _print_result(r)
+            results.append(r)
+    finally:
+        torch._dynamo.reset()  # drop the graphs and the backend dynamo holds for recompiles
 
     full, comp = results
     ratio = full.decode_ms / comp.decode_ms if comp.decode_ms > 0 else float("nan")

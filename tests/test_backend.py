@@ -105,6 +105,25 @@ def test_report_lists_every_site():
     assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
 
 
+def test_a_frame_of_the_inner_model_reaches_the_same_sites():
+    """A graph break can compile the inner model on its own (its paths lack the outer prefix): a path
+    that is a dotted suffix of a site's path, with the same layer, is that site; anything less certain
+    (another layer, another prefix, two candidates) gets a site of its own."""
+    be = kvpass(Full())
+    sid = be._site_id
+    assert sid("model.layers.0.self_attn", 0) == 0 and sid("model.layers.1.self_attn", 1) == 1
+    assert sid("layers.0.self_attn", 0) == 0 and sid("layers.1.self_attn", 1) == 1
+    assert sid("lm.model.layers.1.self_attn", 1) == 1  # an outer frame seen later: the same module
+    assert sid("decoder.layers.0.self_attn", 0) not in (0, 1)  # no suffix of model.layers.0...
+    assert sid("layers.0.self_attn", 0) == 0  # a path keeps its site
+    assert sid("model.layers.0.cross_attn", 0) not in (0, 1)
+    assert sid("self_attn", None) not in (0, 1)  # no layer index: never merged (and left exact)
+
+    be = kvpass(Full())
+    a, b = be._site_id("encoder.layers.0.attn", 0), be._site_id("decoder.layers.0.attn", 0)
+    assert a != b and be._site_id("layers.0.attn", 0) not in (a, b)  # ambiguous: its own site
+
+
 def test_owned_cache_leaves_a_stub_in_the_model_cache():
     model = tiny_llama(layers=2)
     ids = prompt(30)

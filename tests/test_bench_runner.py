@@ -125,6 +125,23 @@ def test_bench_tiny_end_to_end(smollm2, tmp_path, monkeypatch, capsys):
     assert "policy overhead" in text
 
 
+def test_decode_by_context_table():
+    """Per context: the mean ms/token of a policy's cells and its ratio to Full's cells of that context."""
+    from kvpass.bench.report import decode_by_context_table
+
+    def row(name, budget, context, sample, ms):
+        return {"model": "m", "policy_name": name, "budget": budget, "context": context, "task": "t",
+                "sample": sample, "decode_ms": ms}
+
+    rows = [row("Full", None, 1024, 0, 60.0), row("Full", None, 1024, 1, 62.0), row("Full", None, 8192, 0, 110.0),
+            row("Quest", 1024, 1024, 0, 66.0), row("Quest", 1024, 1024, 1, 62.0), row("Quest", 1024, 8192, 0, 88.0)]
+    lines = decode_by_context_table(rows).splitlines()
+    assert lines[2] == "| policy | budget | 1024 tokens | 8192 tokens |"
+    assert lines[4] == "| Full | – | 61.0 (1.00×) | 110.0 (1.00×) |"
+    assert lines[5] == "| Quest | 1024 | 64.0 (1.05×) | 88.0 (0.80×) |"  # (66/60 + 62/62) / 2; 88/110
+    assert decode_by_context_table([r for r in rows if r["context"] == 1024]) == ""  # one context: no table
+
+
 def test_results_jsonl_ignores_a_torn_line(tmp_path):
     row = {"model": "m", "policy": "Full()", "context": 1, "task": "t", "sample": 0, "seed": 0, "haystack": "prose"}
     (tmp_path / RESULTS).write_text(json.dumps(row) + "\n" + '{"model": "m", "pol')

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kvpass import CentroidKV, ClusterKV, Full, KVPassError, Quest, StreamingLLM, kvpass
+from kvpass import CentroidKV, ClusterKV, Full, KVPassError, Quest, StreamingLLM, TailorKV, kvpass
 from families import SMALL, by_graph_key, left_padded, missing_from_small
 from sites import prefill_then_decode
 from tiny import prompt, tiny_llama
@@ -198,31 +198,112 @@ def test_budget_below_sinks_names_the_fix(make, match):
         make()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", sorted(SMALL))
-def test_non_finite_keys(name, bad):
-    """What kvpass does today with a non-finite key (one channel of one token): no policy crashes, and a
-    step that attends every token (Full, or a budget covering the context) gives exactly the NaNs of
-    exact attention; a selection that leaves the token out gives finite output (see the report of
-    issue 7: a KVPassError would need a check per step)."""
-    policy = SMALL[name]
+# what was found, where, and the fix (the message also names the module path when the pass gave one)
+NON_FINITE = (r"kvpass: {name} found {found} in the keys of layer 0 \(site 0\) {when}.*"
+              r"fp32 or bf16.*use Full\(\)")
+COMPRESSING = sorted(n for n in SMALL if n != "Full")
 
+
+def _bad_key(bad, at=30):
+    """Keys drawn as ``torch.randn`` with one channel of position ``at`` set to ``bad`` (prefill keys)."""
     def keys(shape):
         k = torch.randn(shape)
-        if shape[2] > 1:
-            k[:, :, 30, 3] = bad
+        if shape[2] > at:
+            k[:, :, at, 3] = bad
         return k
 
-    outs = prefill_then_decode(policy, length=60, steps=2, owned=True, keys=keys)
-    q, k, v, out, idx = outs[-1]
-    exact = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k, v, enable_gqa=True
-    )[:, :, 0]
-    assert out.shape == exact.shape
-    if idx is None and name != "CentroidKV":  # CentroidKV attends merged slots, never the raw keys
-        assert torch.equal(out.isnan(), exact.isnan())
-    else:
-        assert exact.isnan().any()  # the exact answer is NaN somewhere; a compressed one may not be
+    return keys
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_non_finite_keys_at_prefill_name_the_site_and_the_fix(name, bad):
+    """A compressing policy cannot select, cluster, merge or quantise NaN/Inf keys (its metadata would be
+    garbage that looks valid): it raises a KVPassError at prefill naming the site, what it found and
+    where, and the fix."""
+    found = "NaN" if bad != bad else "Inf"
+    with pytest.raises(KVPassError, match=NON_FINITE.format(name=name, found=found, when="at prefill")) as e:
+        prefill_then_decode(SMALL[name], length=60, steps=2, owned=True, keys=_bad_key(bad))
+    assert "position 30" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_full_keeps_eager_semantics_for_non_finite_keys(bad):
+    """Full attends exactly like eager: no error, and NaN exactly where exact attention gives NaN."""
+    for owned in (False, True):
+        outs = prefill_then_decode(Full(), length=60, steps=2, owned=owned, keys=_bad_key(bad))
+        for q, k, v, out, idx in outs:
+            exact = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], k, v, enable_gqa=True
+            )[:, :, 0]
+            assert idx is None and exact.isnan().any()
+            assert torch.equal(out.isnan(), exact.isnan())
+
+
+@pytest.mark.parametrize("name", [*COMPRESSING, "ClusterKV(offload)"])
+def test_non_finite_keys_in_an_adopted_cache(name):
+    """A cache filled outside kvpass (an eager prefill) is checked when the first decode step adopts it."""
+    from kvpass.runtime import Runtime
+
+    policy = SMALL.get(name) or ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, decode_window=8,
+                                          decode_clusters=2, dense_layers=(), offload=True)
+    torch.manual_seed(0)
+    k, v = _bad_key(float("nan"))((1, 2, 40, 16)), torch.randn(1, 2, 40, 16)
+    rt = Runtime(policy)
+    when = r"of a cache filled outside kvpass \(adopted at this decode step\)"
+    with pytest.raises(KVPassError, match=NON_FINITE.format(name=policy.name, found="NaN", when=when)):
+        rt.attend_owned(0, torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), k, v,
+                        None, 0.0, False)
+
+
+@pytest.mark.parametrize(
+    "name, when, step",
+    # CentroidKV merges the prompt down at the first decode step; TailorKV's residual holds 60 % 8 = 4
+    # prompt tokens and is quantised when 4 more have been decoded; ClusterKV clusters the whole prompt,
+    # then the window of 8 decoded tokens (positions 60..67) at the step of position 68
+    [("CentroidKV", "when merging", 1), ("TailorKV", "when quantising", 4), ("ClusterKV", "when clustering", 9)],
+)
+def test_non_finite_decoded_keys_are_caught_where_they_are_merged_or_quantised(name, when, step):
+    """Decode steps do not check their one new key (a host sync per layer per step); the policies that
+    fold decoded keys into compressed storage check them there, a few steps later at most."""
+    from kvpass.runtime import Runtime
+
+    # TailorKV: tau=-0.0 makes the layer a quantised one (the sparse tier quantises nothing)
+    policy = SMALL[name] if name != "TailorKV" else TailorKV(profile="auto", tau=-0.0, group_size=8, residual=8)
+    rt = Runtime(policy)
+    calls = []
+
+    def keys(shape):  # the prompt (60 tokens) is finite; the first decoded key is NaN
+        calls.append(shape)
+        k = torch.randn(shape)
+        if len(calls) == 2:
+            k[:, :, 0, 3] = float("nan")
+        return k
+
+    with pytest.raises(KVPassError, match=NON_FINITE.format(name=name, found="NaN", when=when)):
+        prefill_then_decode(policy, length=60, steps=10, owned=True, keys=keys, rt=rt)
+    assert len(calls) == 1 + step  # the prefill, then decode steps up to the one that raised
+    assert name != "TailorKV" or rt.state(0).tier == "quantised"
+
+
+def test_non_finite_keys_through_compiled_generate():
+    """Through torch.compile and generate(): the user sees the KVPassError's text (the layer's module
+    path, NaN, the fix), and Full still runs like eager."""
+    model = tiny_llama(layers=2)
+    # a NaN weight in layer 1's key projection: every key of that layer is NaN from the prefill on
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    ids = prompt(30)
+    # raised by the op at run time, outside dynamo's and Inductor's compile steps: nothing wraps it
+    with pytest.raises(KVPassError, match=r"kvpass: Quest found NaN in the keys of layer 1 "
+                       r"\(model\.layers\.1\.self_attn\) at prefill.*fp32 or bf16.*use Full\(\)"):
+        _greedy(torch.compile(model.forward, backend=kvpass(SMALL["Quest"], strict=True)), model, ids, 3)
+    torch._dynamo.reset()
+    be = kvpass(Full(), strict=True)
+    out = _greedy(torch.compile(model.forward, backend=be), model, ids, 3)
+    ref = _greedy(model.forward, model, ids, 3)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(out.logits, ref.logits))
 
 
 def test_head_dims_the_kernels_cannot_take():

@@ -144,6 +144,34 @@ def _table_for_model(model: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def decode_by_context_table(rows: list[dict[str, Any]]) -> str:
+    """Decode ms/token per policy and context (mean over tasks and samples), with the ratio to Full's
+    cells of the same context: how a policy's gain grows with the share of a step the cache takes.
+    Empty with fewer than two contexts."""
+    parts = []
+    for model, mrows in _by_model(rows).items():
+        contexts = sorted({r["context"] for r in mrows})
+        if len(contexts) < 2:
+            continue
+        full = {(r["context"], r["task"], r["sample"]): r["decode_ms"] for r in mrows if r["policy_name"] == "Full"}
+        head = ["policy", "budget"] + [f"{c} tokens" for c in contexts]
+        lines = [f"**{model}**\n", "| " + " | ".join(head) + " |",
+                 "|" + "|".join(["---"] * 2 + ["---:"] * len(contexts)) + "|"]
+        for label in sorted({_row_label(r) for r in mrows}, key=_sort_key):
+            cells = [label[0], "–" if label[1] < 0 else str(label[1])]
+            for c in contexts:
+                sel = [r for r in mrows if _row_label(r) == label and r["context"] == c]
+                if not sel:
+                    cells.append("–")
+                    continue
+                ratios = [r["decode_ms"] / full[k] for r in sel
+                          if (k := (c, r["task"], r["sample"])) in full and full[k] > 0]
+                cells.append(f"{_f(_mean([r['decode_ms'] for r in sel]), 1)} ({_f(_mean(ratios))}×)")
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def site_details_table(rows: list[dict[str, Any]]) -> str:
     """Per layer, for policies that report tiers (TailorKV): tier, dense-preference P, where the query
     estimate came from and its mean cosine similarity to the true query, the packed/fp16 byte ratio of
@@ -366,6 +394,10 @@ def write_results_md(out_dir: Path, path: Path, command: str) -> Path:
     first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
     lines += ["", f"{len(rows)} cells, finished between {first} and {last} (UTC).", "", "## Accuracy, recall, speed, memory", ""]
     lines.append(markdown_table(rows))
+    by_context = decode_by_context_table(rows)
+    if by_context:
+        lines += ["", "## Decode ms/token by context", "", "Mean over the context's cells; in parentheses the "
+                  "ratio to Full's ms/token on the same cells (below 1: faster).", "", by_context]
     profile = out_dir / "tailorkv_profile.json"
     if profile.exists():
         from kvpass.tailorkv import Profile

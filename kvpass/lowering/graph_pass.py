@@ -102,7 +102,9 @@ class KVPassGraphPass(CustomGraphPass):
     def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: KVPassBackend) -> dict:
         site = backend._site_id(m.module_path, m.layer)
         info = backend.runtime.info(site, m.layer if m.layer is not None else site)
-        info.module_path, info.pattern = m.module_path, m.pattern
+        if info.module_path == "?" or len(m.module_path) > len(info.module_path):
+            info.module_path = m.module_path  # the longest of a site's paths (see _site_id)
+        info.pattern = m.pattern
         info.graphs += 1
         if m.own is not None and backend.own_cache:
             new = self._rewrite_owned(graph, m, site)

@@ -40,6 +40,9 @@ class Policy:
     """Base class. Subclasses are frozen dataclasses with a class-level ``name``."""
 
     name: ClassVar[str] = "Policy"
+    # True for a policy that attends every token as eager does at every step (Full): non-finite keys then
+    # give eager's NaNs; every other policy refuses them with a KVPassError (SiteState.check_keys)
+    exact: ClassVar[bool] = False
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -41,7 +41,7 @@ class ClusterKV(Policy):
     dense_layers: tuple[int, ...] = (0, 1)
     offload: bool = False
     gqa: str = "sum"
-    kmeans_iters: int = 16
+    kmeans_iters: int = 8
     seed: int = 0
     name = "ClusterKV"
 

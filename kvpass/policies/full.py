@@ -14,6 +14,7 @@ class Full(Policy):
     against: compiled generation with ``Full`` equals eager generation token for token."""
 
     name = "Full"
+    exact = True  # NaN/Inf keys give eager's NaNs, never an error
 
     @classmethod
     def with_budget(cls, budget: int | None = None) -> Full:

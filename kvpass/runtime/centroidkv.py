@@ -173,6 +173,9 @@ class CentroidState(SiteState):
         if self.comp is None or not len(self.comp) or p.merge_ratio == 0:
             return
         use_triton = self.k.is_cuda
+        # the decoded tokens are checked here, where a round reads every slot anyway, not at each step (a
+        # host sync per layer per step); a NaN slot would spread into the centroid it is merged with
+        self.check_keys(self.k[:, :, : self.s], "when merging", unit=None)
         shrunk = False
         while self.s > self.target:
             lo, hi = p.sinks, self.s - p.recent
@@ -274,10 +277,13 @@ class CentroidState(SiteState):
         if past and rows is None:
             # a real cache filled outside kvpass (eager prefill): adopt it as this sequence's prompt
             self.reset()
-            self._load(torch.cat([past_k, k_new], 2), torch.cat([past_v, v_new], 2))
+            k_all = torch.cat([past_k, k_new], 2)
+            self.check_keys(k_all, "of a cache filled outside kvpass (adopted at this decode step)")
+            self._load(k_all, torch.cat([past_v, v_new], 2))
             fresh = True
         elif not past:
             self.reset()
+            self.check_keys(k_new, "at prefill")
             self._load(k_new, v_new)
             fresh = True
         else:
@@ -292,6 +298,8 @@ class CentroidState(SiteState):
             size = (self.k if self.k is not None else self.ko).shape[0]
             if rows.shape[0] != size or (size > 1 and not torch.equal(rows, torch.arange(size, device=rows.device))):
                 self._reorder(rows)
+            if t > 1:
+                self.check_keys(k_new, "in a multi-token step", first=past)
             self._append(k_new, v_new)
             fresh = False
 

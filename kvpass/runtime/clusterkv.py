@@ -33,7 +33,7 @@ class DeviceTier:
     - ``rec_k/v (B, H, cap, D)``: tokens ``[rec_start, rec_start + rec_len)`` since the last clustering;
     - ``ring_k/v (cache_steps + 1, B, H, budget, D)``: the recalled cluster tokens of the last
       ``cache_steps`` steps, one buffer per step plus the one being filled;
-    - ``seen, slot (B, H, cap_L)`` int64: per position, the step that last recalled it (-1: never)
+    - ``seen, slot (B, H, cap_L)`` int32: per position, the step that last recalled it (-1: never)
       and its slot in that step's buffer.
 
     A recalled position that some buffer of the last ``cache_steps`` steps holds is a hit (a copy
@@ -48,8 +48,9 @@ class DeviceTier:
         self.rec_start = self.rec_len = 0
         self.ring_k = sinks_k.new_zeros((cache_steps + 1, b, h, budget, d))
         self.ring_v = sinks_v.new_zeros((cache_steps + 1, b, h, budget, sinks_v.shape[-1]))
-        self.seen = torch.full((b, h, 0), -1, dtype=torch.long, device=sinks_k.device)
-        self.slot = torch.zeros((b, h, 0), dtype=torch.long, device=sinks_k.device)
+        # int32: positions and steps stay far below 2**31, and these grow with the context
+        self.seen = torch.full((b, h, 0), -1, dtype=torch.int32, device=sinks_k.device)
+        self.slot = torch.zeros((b, h, 0), dtype=torch.int32, device=sinks_k.device)
         self.cache_steps = cache_steps
         self.step = 0
         self.hits = self.recalled = 0
@@ -111,26 +112,31 @@ class DeviceTier:
         self.seen = grow_seq(self.seen, length, factor=2, fill=-1)
         self.slot = grow_seq(self.slot, length, factor=2)
         self.step += 1
-        r = self.step % (self.cache_steps + 1)
-        seen = self.seen.gather(2, idx)
-        hit = (seen >= 0) & (self.step - seen <= self.cache_steps)
-        bi = torch.arange(b, device=dev)[:, None, None].expand(b, h, n)
-        hi = torch.arange(h, device=dev)[None, :, None].expand(b, h, n)
-        ji = torch.arange(n, device=dev)[None, None, :].expand(b, h, n)
-        old_buf = seen.clamp(min=0) % (self.cache_steps + 1)
-        old_slot = self.slot.gather(2, idx)
-        # hits: within the device tier
-        self.ring_k[r, bi[hit], hi[hit], ji[hit]] = self.ring_k[old_buf[hit], bi[hit], hi[hit], old_slot[hit]]
-        self.ring_v[r, bi[hit], hi[hit], ji[hit]] = self.ring_v[old_buf[hit], bi[hit], hi[hit], old_slot[hit]]
-        # misses: host -> device
-        miss = ~hit
-        mb, mh, mp = bi[miss].to(host_k.device), hi[miss].to(host_k.device), idx[miss].to(host_k.device)
-        rows_k = host_k[mb, mh, mp].to(dev, non_blocking=True)
-        rows_v = host_v[mb, mh, mp].to(dev, non_blocking=True)
-        self.ring_k[r, bi[miss], hi[miss], ji[miss]] = rows_k
-        self.ring_v[r, bi[miss], hi[miss], ji[miss]] = rows_v
+        bufs, cap, d, dv = self.cache_steps + 1, self.ring_k.shape[3], self.ring_k.shape[-1], self.ring_v.shape[-1]
+        r = self.step % bufs
+        seen = self.seen.gather(2, idx).long()
+        hit = ((seen >= 0) & (self.step - seen <= self.cache_steps)).view(-1)
+        # flat row numbers: one index_select/index_copy per tier instead of a mask per coordinate
+        # (boolean indexing runs nonzero for each of them: most of a step's cost at 30 layers)
+        row = torch.arange(b * h, device=dev).view(b, h, 1)
+        j = torch.arange(n, device=dev)
+        dst = ((r * b * h + row) * cap + j).view(-1)
+        hit_i, miss_i = hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
+        ring_k, ring_v = self.ring_k.view(-1, d), self.ring_v.view(-1, dv)
+        if hit_i.numel():  # hits: within the device tier (another step's buffer, never buffer r)
+            src = (((seen.clamp(min=0) % bufs) * b * h + row) * cap + self.slot.gather(2, idx)).view(-1)[hit_i]
+            ring_k.index_copy_(0, dst[hit_i], ring_k.index_select(0, src))
+            ring_v.index_copy_(0, dst[hit_i], ring_v.index_select(0, src))
+        # misses: host -> device; (B, H, L, D) views over a longer buffer flatten to (B*H, L, D) as views
+        hk, hv = host_k.flatten(0, 1), host_v.flatten(0, 1)
+        m_row = (miss_i // n).to(hk.device)
+        m_pos = idx.reshape(-1)[miss_i].to(hk.device)
+        rows_k = hk[m_row, m_pos].to(dev, non_blocking=True)
+        rows_v = hv[m_row, m_pos].to(dev, non_blocking=True)
+        ring_k.index_copy_(0, dst[miss_i], rows_k)
+        ring_v.index_copy_(0, dst[miss_i], rows_v)
         self.seen.scatter_(2, idx, self.step)
-        self.slot.scatter_(2, idx, ji.contiguous())
+        self.slot.scatter_(2, idx, j.to(self.slot.dtype).expand(b, h, n))
         self.hits = self.hits + hit.sum()  # a device counter: read when a report asks, no sync per step
         self.recalled += idx.numel()
         self.cur, self.n_cur = r, n
@@ -191,6 +197,7 @@ class ClusterState(SiteState):
         from kvpass.lowering.dispatch import cosine_kmeans
 
         p = self.policy
+        self.check_keys(keys, "when clustering", first=start)  # decoded keys meet their first batched read here
         km = cosine_kmeans(keys, clusters, max_iters=p.kmeans_iters, seed=p.seed + self.clusterings)
         self.clusterings += 1
         self.kmeans_iters += km.iters

@@ -114,6 +114,25 @@ def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor
     return valid
 
 
+def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor, when: str, first: int = 0,
+                            unit: str | None = "position") -> str | None:
+    """None when ``keys (B, H_kv, n, D)`` are all finite; otherwise the KVPassError message: the site,
+    what was found (NaN or Inf) and where, and the fix. ``first`` is the position of ``keys[:, :, 0]``."""
+    if keys.numel() == 0 or bool(torch.isfinite(keys).all()):
+        return None
+    nan = keys.isnan()
+    found = "NaN" if bool(nan.any()) else "Inf"
+    bad = (nan if found == "NaN" else keys.isinf()).any(-1).nonzero()[0].tolist()  # (b, h, i): the first
+    path = info.module_path if info.module_path != "?" else f"site {info.site}"
+    at = f" (batch row {bad[0]}, KV head {bad[1]}, {unit} {first + bad[2]})" if unit else ""
+    return (
+        f"kvpass: {policy_name} found {found} in the keys of layer {info.layer} ({path}) {when}{at}; it "
+        "cannot select or compress non-finite keys. The model's activations overflowed or its inputs are "
+        "bad: run the model in fp32 or bf16 rather than fp16 and check the inputs, or use Full(), which "
+        "attends exactly like eager (NaN in, NaN out)"
+    )
+
+
 def _make_call(q, k, v, attn_mask, scale, is_causal, length, start=-1) -> AttentionCall:
     if scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])  # the op's encoding of "SDPA's default scale"
@@ -157,6 +176,7 @@ class SiteState:
         self.overhead_decode_s = 0.0
         self.bytes_moved = 0  # between tiers (host -> device), since the sequence started
         self.steps = 0  # decode steps since the sequence started
+        self.keys_seen = 0  # keys [0, keys_seen) were checked for NaN/Inf or passed on purpose (check_keys)
 
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
@@ -178,6 +198,15 @@ class SiteState:
             k = call.k
             self.physical = k.shape[2]
             self.kv_bytes = 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size() * self.physical
+        if call.new_tokens > 1 or self.keys_seen < call.past:
+            # A step that reads every key it has not seen (prefill, chunked prefill, a cache filled
+            # elsewhere) checks them; a plain decode step's one new key is not checked: that would be a
+            # host sync per layer per step.
+            lo = min(self.keys_seen, call.past)
+            when = ("at prefill" if call.past == 0 else "in a multi-token step" if call.new_tokens > 1
+                    else "of a cache filled outside kvpass (adopted at this decode step)")
+            self.check_keys(call.k[:, :, lo : call.length], when, first=lo)
+        self.keys_seen = call.length
         t0 = time.perf_counter()
         self.observe(call)
         if call.new_tokens > 1:
@@ -221,6 +250,20 @@ class SiteState:
     def prefetch(self, q_hat: torch.Tensor, past: int, estimated: bool) -> torch.Tensor:
         """Before this site's fetch, from an estimate of its query (policies that prefetch)."""
         return torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
+
+    def check_keys(self, keys: torch.Tensor, when: str, first: int = 0,
+                   unit: str | None = "position") -> None:
+        """Raise a KVPassError naming the site and the fix when ``keys (B, H_kv, n, D)`` hold NaN or Inf.
+
+        Compressing policies only: a NaN key poisons page bounds, centroids, merged slots and quantisation
+        scales, so their selection would be garbage while looking valid. ``Full`` (``policy.exact``) keeps
+        eager's semantics instead: a NaN key gives NaN wherever eager attention gives NaN. One host sync,
+        so callers check where they read every key anyway (prefill, adoption, a merge or quantisation)."""
+        if self.policy.exact:
+            return
+        msg = non_finite_keys_message(self.policy.name, self.info, keys, when, first, unit)
+        if msg is not None:
+            raise KVPassError(msg)
 
     # -- policy hooks ----------------------------------------------------------------------------
     def observe(self, call: AttentionCall) -> None:

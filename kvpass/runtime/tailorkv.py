@@ -345,6 +345,8 @@ class TailorState(SiteState):
             self.reset()
             k_all = k_new if not past else torch.cat([past_k, k_new], 2)
             v_all = v_new if not past else torch.cat([past_v, v_new], 2)
+            self.check_keys(k_all, "at prefill" if not past else
+                            "of a cache filled outside kvpass (adopted at this decode step)")
             self._decide(q, k_all, scale)
             if self.tier == SPARSE:
                 self.store.append(None, None, k_all, v_all)
@@ -467,6 +469,9 @@ class TailorState(SiteState):
         self.last_idx = None
         if self.n_res == r:
             t0 = time.perf_counter()
+            # decoded keys are checked here, once per residual chunk, not at each step (a host sync per
+            # layer per step); a NaN would become the scale of its whole channel group
+            self.check_keys(self.res_k, "when quantising", first=self.logical - r)
             self.packed.append(self.res_k, self.res_v, r)
             self.n_res = 0
             self.overhead_decode_s += time.perf_counter() - t0
@@ -478,6 +483,7 @@ class TailorState(SiteState):
         from kvpass.kernels.tailorkv import dequantize
 
         t = k_new.shape[2]
+        self.check_keys(k_new, "in a multi-token step", first=self.logical)
         self.prefill_calls += 1
         if self.tier == SPARSE:
             self._host_append(k_new, v_new)
