@@ -18,11 +18,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvpass demo $(ARGS)
 
+# one pytest worker per core (at most 2): most test time is single-threaded compilation
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; echo $$n)
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not slow" $(ARGS)
 
 explain: $(STAMP)
 	$(VENV)/bin/kvpass explain $(ARGS)

@@ -194,8 +194,9 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
     fwd = model.forward
     if compiled is not None and compiled[0].policy.graph_key() == policy.graph_key():
         backend, cfwd = compiled
+        compiled_for = backend.policy.name  # read before set_policy replaces it
         backend.set_policy(policy)  # every site starts afresh with the new policy
-        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graphs compiled for {compiled[0].policy.name} serve it)"
+        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graphs compiled for {compiled_for} serve it)"
     else:
         torch._dynamo.reset()
         backend = kvpass(policy)

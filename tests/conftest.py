@@ -19,7 +19,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs one worker per core) each worker gets one thread: most of a
+# test's time is single-threaded compilation, and two workers of two threads would oversubscribe.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(autouse=True)
@@ -56,3 +59,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run first: `make test`'s workers take tests in this order (and steal queued
+    ones from each other), so the minutes-long ones start early instead of keeping one worker busy at
+    the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kvpass.runtime.state import AttentionCall, KVPassError, SiteState, _make_call
+from kvpass.runtime.state import ADOPTED, AttentionCall, KVPassError, SiteState, _make_call
 from kvpass.runtime.store import grow_seq
 
 
@@ -315,6 +315,8 @@ class ClusterState(SiteState):
             # decode step does
             t0 = time.perf_counter()
             self.reset()
+            self.check_keys(hk[:, :, : length - t], ADOPTED)
+            self.keys_seen = length - t
             self.observe(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, 0))
             self._new_tier(hk, hv, length, dev)
             self.plan = self._plan(q, length)

@@ -21,6 +21,9 @@ from kvpass.runtime import registry
 if TYPE_CHECKING:
     from kvpass.policies.base import Policy
 
+# how check_keys names the keys of a cache that a decode step adopts
+ADOPTED = "of a cache filled outside kvpass (adopted at this decode step)"
+
 
 class KVPassError(RuntimeError):
     """A request kvpass cannot serve correctly; the message names the fix."""
@@ -204,7 +207,7 @@ class SiteState:
             # host sync per layer per step.
             lo = min(self.keys_seen, call.past)
             when = ("at prefill" if call.past == 0 else "in a multi-token step" if call.new_tokens > 1
-                    else "of a cache filled outside kvpass (adopted at this decode step)")
+                    else ADOPTED)
             self.check_keys(call.k[:, :, lo : call.length], when, first=lo)
         self.keys_seen = call.length
         t0 = time.perf_counter()
