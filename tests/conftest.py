@@ -60,9 +60,3 @@ def one_thread():
     yield
     torch.set_num_threads(n)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked slow run first: `make test`'s workers take tests in this order (and steal queued
-    ones from each other), so the minutes-long ones start early instead of keeping one worker busy at
-    the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
