@@ -140,7 +140,13 @@ def test_prompt_length(task, haystack, context, seed, tokenizer):
     tok = TOKENIZERS[tokenizer]
     s = make_sample(task, tok, context, seed, haystack)
     n = len(tok(s.prompt).input_ids)
-    assert lower_bound(context) <= n <= context
+    low = lower_bound(context)
+    if task == "frequent_words":
+        # its text grows by whole Zipf increments: M -> M + 1 can add two words of up to 11 characters
+        # at once, more than 1.5 % of the smallest contexts under the character tokenizer
+        # (found by hypothesis: context 500, seed 140, 487 characters)
+        low = min(low, context - 24)
+    assert low <= n <= context
     assert 0.95 * context <= n
 
 
