@@ -56,5 +56,6 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             model.forward = fwd
 
+
 if __name__ == "__main__":
     main()
