@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import threading
 import warnings
 from typing import Any
 
 import torch
 
-from kvpass.policies.base import Policy, policy_from_dict
+from kvpass.policies.base import Policy, bool_problem, policy_from_dict
 from kvpass.runtime.state import KVPassError, Runtime
 
 __all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend"]
@@ -21,20 +22,26 @@ class KVPassBackend:
     with it. ``report()`` shows one row per attention site."""
 
     def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = False, own_cache: bool = True):
+        if isinstance(policy, type) and issubclass(policy, Policy):
+            raise TypeError(
+                f"kvpass: kvpass() needs a policy instance, got the class {policy.__name__}; pass "
+                f"{policy.__name__}(...), e.g. kvpass({policy.__name__}())"
+            )
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"kvpass: kvpass() needs a policy such as kvpass.Quest(budget=1024), got "
                 f"{type(policy).__name__}: {policy!r}"
             )
-        if not isinstance(strict, bool):
-            raise TypeError(f"kvpass: strict must be a bool, got {strict!r}")
+        for option, value in (("strict", strict), ("cache", cache), ("own_cache", own_cache)):
+            if (msg := bool_problem("kvpass()", option, value)) is not None:
+                raise TypeError(msg)
         import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops, once)
         from kvpass.lowering.graph_pass import KVPassGraphPass
 
         self.policy = policy
         self.strict = strict
-        self.cache = bool(cache)
-        self.own_cache = bool(own_cache)
+        self.cache = cache
+        self.own_cache = own_cache
         self.runtime = Runtime(policy)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
@@ -185,11 +192,27 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     - ``own_cache`` (bool, default True): for caches that grow by concatenation (DynamicCache), the
       runtime keeps the keys and values in its own buffers, appended in place, and the model's cache
       holds a zero-stride stub of the right length. False leaves the model's cache as it is.
+
+    Each option must be a real ``bool`` (``bool("no")`` is True, so nothing is coerced); a wrong type
+    or an unknown option is a TypeError naming it and what to pass.
     """
-    unknown = set(options) - {"strict", "cache", "own_cache"}
-    if unknown:
-        raise TypeError(f"kvpass: unknown option(s) {sorted(unknown)}; expected: strict, cache, own_cache")
+    _check_option_names(options, OPTIONS, "kvpass()")
     return KVPassBackend(policy, **options)
+
+
+#: The options of ``kvpass(policy, **options)``; ``torch.compile(backend="kvpass", options=...)`` also
+#: takes ``policy`` and ``backend``.
+OPTIONS = ("strict", "cache", "own_cache")
+
+
+def _check_option_names(options: dict, valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted((k for k in options if k not in valid), key=str)
+    if not unknown:
+        return
+    hints = [f"{near[0]!r} for {k!r}" for k in unknown
+             if (near := difflib.get_close_matches(str(k), valid, n=1, cutoff=0.6))]
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    raise TypeError(f"kvpass: unknown option(s) {unknown} for {where}; expected: {', '.join(valid)}{hint}")
 
 
 def kvpass_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
@@ -199,18 +222,30 @@ def kvpass_backend(gm, example_inputs, options: dict | None = None, mode: str | 
     ``options["backend"].report()`` afterwards)."""
     if mode is not None:
         raise KVPassError(f"kvpass: torch.compile(backend='kvpass') takes no mode, got mode={mode!r}")
-    if options is None or ("policy" not in options and "backend" not in options):
-        raise KVPassError(
-            "kvpass: torch.compile(model, backend='kvpass') needs options={'policy': kvpass.Quest(...)} "
-            "(or {'policy': {'name': 'Quest', 'budget': 1024}})"
-        )
+    # torch.compile (torch 2.13) only stores options; the backend first sees them here, at the first
+    # graph, and dynamo wraps what it raises in BackendCompilerFailed, whose text carries our message.
+    options = {} if options is None else options
     backend = options.get("backend")
     if backend is None:
+        where = "torch.compile(backend='kvpass', options=...)"
+        _check_option_names(options, ("policy", "backend", *OPTIONS), where)
+        if options.get("policy") is None:
+            raise KVPassError(
+                "kvpass: torch.compile(model, backend='kvpass') needs options={'policy': kvpass.Quest(...)} "
+                "(or {'policy': {'name': 'Quest', 'budget': 1024}} or {'policy': 'Quest(budget=1024)'})"
+            )
         policy = options["policy"]
         if isinstance(policy, (str, dict)):
             policy = policy_from_dict(policy)
-        backend = kvpass(policy, **{k: v for k, v in options.items() if k not in ("policy",)})
+        flags = {k: v for k, v in options.items() if k not in ("policy", "backend")}
+        backend = KVPassBackend(policy, **flags)
         options["backend"] = backend
+    elif not isinstance(backend, KVPassBackend):
+        raise KVPassError(
+            f"kvpass: options['backend'] is where torch.compile(backend='kvpass') keeps the backend it "
+            f"built, got {type(backend).__name__}: {backend!r}; pass options={{'policy': ...}} (or "
+            f"torch.compile(model, backend=kvpass(policy)))"
+        )
     return backend(gm, example_inputs)
 
 

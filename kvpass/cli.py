@@ -19,7 +19,8 @@ import sys
 from typing import Any
 
 from kvpass.api import KVPassError
-from kvpass.policies.base import Policy, policy_from_dict, registered_policies
+from kvpass.policies.base import (Policy, check_fields, policy_from_dict, registered_policies,
+                                  unknown_policy_error)
 
 __all__ = ["main", "build_parser", "parse_policy", "add_policy_arguments", "policy_from_args", "COMMANDS"]
 
@@ -141,7 +142,7 @@ def _resolve_name(name: str) -> type[Policy]:
     folded = {k.lower(): v for k, v in reg.items()}
     if name.lower() in folded:
         return folded[name.lower()]
-    raise ValueError(f"kvpass: unknown policy {name!r}; expected one of {sorted(reg)}")
+    raise unknown_policy_error(name)
 
 
 def parse_policy(text: str, budget: int | None = None) -> Policy:
@@ -183,12 +184,8 @@ def parse_policy(text: str, budget: int | None = None) -> Policy:
     if r.peek() is not None:
         raise r.fail("the end of the policy")
 
+    check_fields(cls, kwargs)
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(kwargs) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"kvpass: {cls.name} has no parameter(s) {unknown}; its parameters are {fields or 'none'}"
-        )
     if budget is not None:
         if "budget" in fields:
             kwargs["budget"] = budget

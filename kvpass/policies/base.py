@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,17 +23,57 @@ def registered_policies() -> dict[str, type[Policy]]:
     return dict(_REGISTRY)
 
 
+def _closest(word: Any, names: list[str]) -> str | None:
+    """The registered spelling nearest to ``word`` (case-insensitive), for did-you-mean hints."""
+    lower = {n.lower(): n for n in names}
+    hit = difflib.get_close_matches(str(word).lower(), list(lower), n=1, cutoff=0.6)
+    return lower[hit[0]] if hit else None
+
+
+def unknown_policy_error(name: Any) -> ValueError:
+    names = sorted(_REGISTRY)
+    near = _closest(name, names) if isinstance(name, str) else None
+    hint = f"; did you mean {near!r}?" if near else ""
+    return ValueError(f"kvpass: unknown policy {name!r}; expected one of {names}{hint}")
+
+
+def check_fields(cls: type[Policy], keys: Any) -> None:
+    """Refuse keys that are not init fields of ``cls``, naming them, the valid ones and the closest."""
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted((k for k in keys if k not in fields), key=str)
+    if not unknown:
+        return
+    hints = [f"{near!r} for {k!r}" for k in unknown if (near := _closest(k, fields))]
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    raise ValueError(
+        f"kvpass: {cls.name} has no parameter(s) {unknown}; its parameters are {fields or 'none'}{hint}"
+    )
+
+
 def policy_from_dict(spec: dict[str, Any] | str) -> Policy:
-    """Build a policy from ``{"name": "Quest", "budget": 512}`` or from the string ``"Quest"``."""
+    """Build a policy from ``{"name": "Quest", "budget": 512}`` or from a string spec, ``"Quest"`` or
+    ``"Quest(budget=512)"`` (read by :func:`kvpass.cli.parse_policy`)."""
     if isinstance(spec, str):
-        spec = {"name": spec}
-    spec = dict(spec)
-    name = spec.pop("name", None)
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"kvpass: unknown policy {name!r}; expected one of {sorted(_REGISTRY)}"
+        from kvpass.cli import parse_policy
+
+        return parse_policy(spec)
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"kvpass: a policy spec is a dict such as {{'name': 'Quest', 'budget': 1024}} or a string such "
+            f"as 'Quest(budget=1024)', got {type(spec).__name__}: {spec!r}"
         )
-    return _REGISTRY[name](**spec)
+    spec = dict(spec)
+    if "name" not in spec:
+        raise ValueError(
+            f"kvpass: a policy dict needs a 'name' key, one of {sorted(_REGISTRY)}, got {spec!r}; "
+            f"e.g. {{'name': 'Quest', 'budget': 1024}}"
+        )
+    name = spec.pop("name")
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise unknown_policy_error(name)
+    cls = _REGISTRY[name]
+    check_fields(cls, spec)
+    return cls(**spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +132,23 @@ def check_int(policy: str, field: str, value: Any, minimum: int) -> None:
         )
     if value < minimum:
         raise ValueError(f"kvpass: {policy} needs {field} >= {minimum}, got {field}={value}")
+
+
+_FALSY = {"0", "false", "no", "off", "n", "f", ""}
+_TRUTHY = {"1", "true", "yes", "on", "y", "t"}
+
+
+def bool_problem(owner: str, field: str, value: Any) -> str | None:
+    """The message for a flag that is not a real bool, or None. Only ``bool`` is accepted: ``'no'``
+    and ``'false'`` are truthy strings, so coercing with ``bool()`` would turn them into True."""
+    if isinstance(value, bool):
+        return None
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _FALSY or (type(value) is int and value == 0):
+        fix = f"pass {field}=False"
+    elif word in _TRUTHY or (type(value) is int and value == 1):
+        fix = f"pass {field}=True"
+    else:
+        fix = f"pass {field}=True or {field}=False"
+    got = f"{field}={value!r} ({type(value).__name__})"
+    return f"kvpass: {owner} needs {field} True or False (a bool), got {got}; {fix}"

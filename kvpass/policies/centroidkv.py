@@ -88,6 +88,14 @@ class CentroidKV(Policy):
         _check_fraction("merge_ratio_decay", self.merge_ratio_decay, lo_open=False)
         _check_fraction("min_merge_ratio", self.min_merge_ratio, lo_open=False)
         _check_fraction("outlier_heads", self.outlier_heads, lo_open=False, hi=0.5)
+        # round j merges max(merge_ratio - j * decay, min_merge_ratio): a floor above the start would
+        # replace merge_ratio from the first round on (merge_ratio=0 never merges, so any floor goes)
+        if self.merge_ratio > 0 and self.min_merge_ratio > self.merge_ratio:
+            raise ValueError(
+                f"kvpass: CentroidKV needs min_merge_ratio <= merge_ratio ({self.merge_ratio}): the schedule "
+                f"anneals from merge_ratio down to min_merge_ratio, got "
+                f"min_merge_ratio={self.min_merge_ratio}; lower min_merge_ratio or raise merge_ratio"
+            )
 
     @classmethod
     def with_budget(cls, budget: int, **kw) -> CentroidKV:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpass.policies.base import Policy, check_int, register_policy
+from kvpass.policies.base import Policy, bool_problem, check_int, register_policy
 
 
 @register_policy
@@ -67,8 +67,8 @@ class ClusterKV(Policy):
         for layer in layers:
             check_int(n, "dense_layers entries", layer, 0)
         object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"kvpass: ClusterKV needs offload True or False, got offload={self.offload!r}")
+        if (msg := bool_problem(n, "offload", self.offload)) is not None:
+            raise ValueError(msg)
         if self.gqa not in ("sum", "max"):
             raise ValueError(f"kvpass: ClusterKV needs gqa in ('sum', 'max'), got gqa={self.gqa!r}")
 

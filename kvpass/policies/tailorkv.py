@@ -56,8 +56,12 @@ class TailorKV(Policy):
         n = self.name
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0 <= self.tau:
             raise ValueError(f"kvpass: TailorKV needs a number tau >= 0, got tau={self.tau!r}")
-        if self.quant_bits not in (1, 2) or isinstance(self.quant_bits, bool):
-            raise ValueError(f"kvpass: TailorKV needs quant_bits 1 or 2, got quant_bits={self.quant_bits!r}")
+        # type first: 1.0 == 1 would pass the membership test and reach the packing code as a float
+        if type(self.quant_bits) is not int or self.quant_bits not in (1, 2):
+            raise ValueError(
+                f"kvpass: TailorKV needs quant_bits 1 or 2 (an int), got quant_bits={self.quant_bits!r} "
+                f"({type(self.quant_bits).__name__})"
+            )
         check_int(n, "group_size", self.group_size, 1)
         per = 8 // self.quant_bits
         if self.group_size % per:
@@ -130,6 +134,7 @@ class TailorKV(Policy):
 
     @classmethod
     def with_budget(cls, budget: int, **kw) -> TailorKV:
+        check_int(cls.name, "budget", budget, 1)
         static = kw.pop("static_tokens", min(128, budget // 8))
         return cls(sparse_budget=budget, static_tokens=max(static, kw.get("sinks", 16) + 1), **kw)
 
