@@ -749,7 +749,11 @@ def _topk_positions(approx: torch.Tensor, k: int, length: int) -> torch.Tensor:
     eq = approx == thr
     need = kk - above.sum(-1, keepdim=True)
     chosen = above | (eq & (eq.cumsum(-1) <= need))
-    pos = torch.arange(approx.shape[2], device=approx.device).expand_as(approx)[chosen].view(*approx.shape[:2], kk)
+    # exactly kk positions per row are chosen: take them in position order with a fixed-shape topk
+    # (boolean indexing would size its output from the data: a host sync)
+    s = approx.shape[2]
+    key = torch.where(chosen, s - torch.arange(s, device=approx.device), 0)
+    pos = s - key.topk(kk, dim=-1, sorted=True).values
     order = torch.sort(approx.gather(-1, pos), dim=-1, descending=True, stable=True).indices
     idx = pos.gather(-1, order)
     return idx.masked_fill(idx >= length, -1)  # only happens once the valid positions ran out

@@ -224,7 +224,8 @@ class KVPassGraphPass(CustomGraphPass):
         new = self._insert(graph, m.sdpa, torch.ops.kvpass.attention_owned.default, args, m.sdpa)
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         for store, fresh, past in ((o["k_store"], o["k_new"], o["k_past"]), (o["v_store"], o["v_new"], o["v_past"])):
-            stub = self._insert(graph, output, torch.ops.kvpass.cache_stub.default, (fresh, past), m.sdpa)
+            stub = self._insert(graph, output, torch.ops.kvpass.cache_stub.default,
+                                (fresh, past, self._handle, site), m.sdpa)
             output.replace_input_with(store, stub)
             # Inductor restrides outputs to their original (dense) strides; a stub must stay a stub.
             flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]

@@ -111,17 +111,23 @@ def _prefetch_fake(q_hat, past_k, handle, site, estimated):
 
 
 @torch.library.custom_op("kvpass::cache_stub", mutates_args=())
-def cache_stub(new: Tensor, past: Tensor | None) -> Tensor:
+def cache_stub(new: Tensor, past: Tensor | None, handle: int = 0, site: int = -1) -> Tensor:
     """What the model's cache keeps for a runtime-owned site: (B, H, L, D) with sequence stride 0,
-    L = past length + new length, so the model sees the true length while holding no tokens."""
+    L = past length + new length, so the model sees the true length while holding no tokens.
+
+    handle, site: the site whose stub this is; the site views every stub of one shape from one base,
+    so that its next step knows its own stub by the storage alone (no read, no host sync). With the
+    defaults the stub has a fresh base."""
     from kvpass.runtime.store import make_stub
 
     length = new.shape[2] + (past.shape[2] if past is not None else 0)
+    if handle:
+        return registry.lookup(handle).stub(site, new, length, past)
     return make_stub(new, length)
 
 
 @cache_stub.register_fake
-def _cache_stub_fake(new, past):
+def _cache_stub_fake(new, past, handle=0, site=-1):
     b, h, t, d = new.shape
     length = t + (past.shape[2] if past is not None else 0)
     return new.new_empty((b, h, 1, d)).as_strided((b, h, length, d), (h * d, d, 0, 1))

@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvpass.runtime.state import KVPassError, SiteState, _make_call, valid_from_mask
-from kvpass.runtime.store import grow_seq, stub_rows
+from kvpass.runtime.state import KVPassError, SiteState, _make_call
+from kvpass.runtime.store import SAME, grow_seq, reorder_needed
 
 
 def _grow(buf: torch.Tensor | None, like: torch.Tensor, live: int, need: int, slack: int) -> torch.Tensor:
@@ -167,6 +167,7 @@ class CentroidState(SiteState):
 
     def _merge(self) -> None:
         """Merge rounds until ``s <= target`` (Algorithm 1), the ratio annealed per round."""
+        self.events += 1
         from kvpass.kernels.centroid import merge_round, num_candidates
 
         p = self.policy
@@ -268,12 +269,12 @@ class CentroidState(SiteState):
         t0 = time.perf_counter()
         t = k_new.shape[2]
         past = 0 if past_k is None else past_k.shape[2]
-        if valid_from_mask(attn_mask, past + t) is not None:
+        if self.pad.valid(attn_mask, past + t, event=not past or t > 1 or self.logical != past) is not None:
             raise KVPassError(
                 "kvpass: CentroidKV does not support left-padded batches (padding would be merged with real "
                 "tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
             )
-        rows = stub_rows(past_k) if past else None
+        rows = self.stubs.rows(past_k) if past else None
         if past and rows is None:
             # a real cache filled outside kvpass (eager prefill): adopt it as this sequence's prompt
             self.reset()
@@ -296,7 +297,7 @@ class CentroidState(SiteState):
                     f"need a policy that keeps every token"
                 )
             size = (self.k if self.k is not None else self.ko).shape[0]
-            if rows.shape[0] != size or (size > 1 and not torch.equal(rows, torch.arange(size, device=rows.device))):
+            if rows is not SAME and reorder_needed(rows, size):
                 self._reorder(rows)
             if t > 1:
                 self.check_keys(k_new, "in a multi-token step", first=past)

@@ -198,6 +198,7 @@ class ClusterState(SiteState):
 
         p = self.policy
         self.check_keys(keys, "when clustering", first=start)  # decoded keys meet their first batched read here
+        self.events += 1
         km = cosine_kmeans(keys, clusters, max_iters=p.kmeans_iters, seed=p.seed + self.clusterings)
         self.clusterings += 1
         self.kmeans_iters += km.iters
@@ -305,7 +306,7 @@ class ClusterState(SiteState):
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         if not self.offloading:
             return super().forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
-        rebuilt = self.store.append(past_k, past_v, k_new, v_new)  # the host tier
+        rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)  # the host tier
         hk, hv = self.store.views()
         length, t, dev = hk.shape[2], k_new.shape[2], q.device
         new_k, new_v = k_new, v_new

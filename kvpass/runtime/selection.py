@@ -18,17 +18,24 @@ class StreamingState(SiteState):
         sinks, window = self.policy.sinks, self.policy.window
         length, dev = call.length, call.k.device
         batch, h_kv = call.k.shape[0], call.k.shape[1]
-        if call.valid is None:
+        if self.pad.first_min + sinks >= length - window:
+            return None  # the budget covers every row's context: exact attention
+        if self.pad.first is None:
             first = torch.zeros(batch, dtype=torch.long, device=dev)
         else:
-            first = call.valid.to(torch.int8).argmax(dim=1)  # first real token of each row
-        if bool((first + sinks >= length - window).all()):
-            return None  # the budget covers every row's context: exact attention
+            first = self.pad.first.expand(batch)  # a mask shared by the batch gives one row
         sink_idx = first[:, None] + torch.arange(sinks, device=dev)
         sink_idx = torch.where(sink_idx < length - window, sink_idx, -1)
         recent = torch.arange(length - window, length, device=dev).expand(batch, -1)
         idx = torch.cat([sink_idx, recent], dim=1)
         return idx[:, None, :].expand(batch, h_kv, -1)
+
+
+def _unopened(meta: torch.Tensor) -> None:
+    """Quest metadata ``[max | min]`` of pages with no token yet: -inf | +inf, the identity of a merge."""
+    d = meta.shape[-1] // 2
+    meta[..., :d] = float("-inf")
+    meta[..., d:] = float("inf")
 
 
 class QuestState(SiteState):
@@ -51,6 +58,7 @@ class QuestState(SiteState):
         b, h, _, d = call.k.shape
         cap = max(pages, 2 * (self.meta.shape[2] if self.meta is not None else 0), 64)
         meta = call.k.new_empty((b, h, cap, 2 * d), dtype=torch.float32)
+        _unopened(meta)
         if self.meta is not None:
             meta[:, :, : self.meta.shape[2]] = self.meta
         self.meta = meta
@@ -71,6 +79,15 @@ class QuestState(SiteState):
             lo, hi = quest_page_minmax_ref(call.k_logical, ps)
             kmin[:, :, :pages] = lo
             kmax[:, :, :pages] = hi
+            _unopened(self.meta[:, :, pages:])
+        elif call.new_tokens == 1:
+            # a decode step: the token's page is merged with what it holds (pages not yet opened hold
+            # +inf / -inf), so every step runs the same ops, wherever the page boundary falls
+            p0 = call.start // ps
+            k_new = call.k[:, :, call.start : call.length].float()
+            page = self.meta[:, :, p0 : p0 + 1]
+            torch.maximum(page[..., :d], k_new, out=page[..., :d])
+            torch.minimum(page[..., d:], k_new, out=page[..., d:])
         else:
             quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
 

@@ -7,6 +7,7 @@ cache, and a compressing state may hold fewer physical tokens than ``L``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
 
 # how check_keys names the keys of a cache that a decode step adopts
 ADOPTED = "of a cache filled outside kvpass (adopted at this decode step)"
+
+
+def _range(name: str):
+    """A profiler range (``kvpass bench --decode-cost`` sorts a step's time by them); nothing at all
+    unless a profiler runs (a range is an op call: 180 of them a step at 30 sites)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class KVPassError(RuntimeError):
@@ -52,7 +61,7 @@ class AttentionCall:
     scale: float
     is_causal: bool
     length: int  # logical length L, new tokens included
-    valid: torch.Tensor | None  # (B, L) bool, False on padding; None when nothing is masked
+    valid: torch.Tensor | None = None  # (B, L) bool, False on padding; None: nothing masked (set by the state)
     start: int = -1  # first position not yet folded into the site's metadata (0: rebuild); -1: past
 
     def __post_init__(self):
@@ -100,21 +109,64 @@ class AttentionCall:
         return bias[:, None, :].expand(-1, self.k.shape[1], -1)
 
 
-def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """The keys the newest query may see, (B, L) bool, from an SDPA mask broadcastable to
-    (B, H, T, S); None when every key is visible (no padding)."""
-    if attn_mask is None:
-        return None
+def mask_row(attn_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """(B', L) bool: the keys the newest query may see, from an SDPA mask broadcastable to
+    (B, H, T, S) (B' is 1 for a mask shared by the batch). No host sync."""
     row = attn_mask[..., -1, :length]
     while row.dim() > 2:
         row = row[:, 0]  # masks are shared across heads
+    if row.dim() == 1:
+        row = row[None]
     if row.dtype == torch.bool:
-        valid = row
-    else:
-        valid = row > torch.finfo(row.dtype).min / 2
+        return row
+    return row > torch.finfo(row.dtype).min / 2
+
+
+def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """:func:`mask_row`, or None when every key is visible (no padding). One host sync: called where a
+    sequence starts or grows by several tokens, never in a steady decode step (:class:`Padding`)."""
+    if attn_mask is None:
+        return None
+    valid = mask_row(attn_mask, length)
     if bool(valid.all()):
         return None
     return valid
+
+
+class Padding:
+    """Whether a site's sequence is a left-padded batch, decided where the sequence starts or grows by
+    several tokens (prefill, chunked prefill, an adopted cache), where a host sync is paid anyway.
+
+    A decode step appends one real token per row (``generate()`` extends the attention mask with ones,
+    also for rows that finished), so its padding is the prefill's: a steady step reads the mask only
+    when the batch is padded, and never syncs. ``first (B,)`` is each row's first real position and
+    ``first_min`` / ``first_max`` their extremes as Python ints (0 without padding)."""
+
+    def __init__(self) -> None:
+        self.padded: bool | None = None  # None: no sequence seen yet
+        self.first: torch.Tensor | None = None
+        self.first_min = self.first_max = 0
+
+    def valid(self, attn_mask: torch.Tensor | None, length: int, event: bool) -> torch.Tensor | None:
+        """(B, L) bool validity (None: no padding). ``event``: a prefill, a multi-token step or an
+        adoption, where the mask is read in full."""
+        if attn_mask is None:
+            if event:
+                self._set(None)
+            return None
+        if event or self.padded is None:
+            valid = valid_from_mask(attn_mask, length)
+            self._set(valid)
+            return valid
+        return mask_row(attn_mask, length) if self.padded else None
+
+    def _set(self, valid: torch.Tensor | None) -> None:
+        self.padded = valid is not None
+        if valid is None:
+            self.first, self.first_min, self.first_max = None, 0, 0
+        else:
+            self.first = valid.to(torch.int8).argmax(dim=1)  # first real token of each row
+            self.first_min, self.first_max = int(self.first.min()), int(self.first.max())
 
 
 def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor, when: str, first: int = 0,
@@ -140,8 +192,7 @@ def _make_call(q, k, v, attn_mask, scale, is_causal, length, start=-1) -> Attent
     if scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])  # the op's encoding of "SDPA's default scale"
     return AttentionCall(
-        q=q, k=k, v=v, attn_mask=attn_mask, scale=scale, is_causal=is_causal, length=length,
-        valid=valid_from_mask(attn_mask, length), start=start,
+        q=q, k=k, v=v, attn_mask=attn_mask, scale=scale, is_causal=is_causal, length=length, start=start,
     )
 
 
@@ -152,17 +203,22 @@ class SiteState:
     token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all)."""
 
     def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
-        from kvpass.runtime.store import OwnedKV
+        from kvpass.runtime.store import OwnedKV, StubRows
 
         self.policy = policy
         self.info = info
         self.store = OwnedKV()  # used when the pass gave this site's cache to the runtime
+        self.stubs = StubRows()  # the stubs this site hands the model's cache (known without a read)
+        self.pad = Padding()
         self.probe = None  # measurement hook (kvpass.bench): called at decode steps with the selection
         # Scratch shared by the sites of one Runtime (decisions that need every layer, e.g. CentroidKV's
         # outlier heads); owned by the backend like the states themselves.
         self.shared: dict = {} if shared is None else shared
         self.prefill_calls = 0
         self.decode_calls = 0
+        # scheduled events run since the state was made (decode-time clustering, a merge round, a
+        # residual flush): the steps that may sync and run other ops than a steady step (tests count them)
+        self.events = 0
         self.reset()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -184,7 +240,8 @@ class SiteState:
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
         :attr:`store`, then :meth:`forward`. Policies that keep a different physical cache override it."""
-        rebuilt = self.store.append(past_k, past_v, k_new, v_new)
+        with _range("kvpass.bookkeeping"):
+            rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)
         k, v = self.store.views()
         length = k.shape[2]
         start = 0 if rebuilt else length - k_new.shape[2]
@@ -193,6 +250,8 @@ class SiteState:
     def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
         if call.start == 0:
             self.reset()
+        event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
+        call.valid = self.pad.valid(call.attn_mask, call.length, event)
         self.length = call.length
         if owned:
             self.physical = self.store.length
@@ -211,9 +270,9 @@ class SiteState:
             self.check_keys(call.k[:, :, lo : call.length], when, first=lo)
         self.keys_seen = call.length
         t0 = time.perf_counter()
-        self.observe(call)
         if call.new_tokens > 1:
             # Prefill and chunked prefill attend exactly, as every method here does.
+            self.observe(call)
             self.overhead_prefill_s += time.perf_counter() - t0
             self.prefill_calls += 1
             self.attended = call.length
@@ -221,7 +280,9 @@ class SiteState:
             return call.exact()
         self.decode_calls += 1
         self.steps += 1
-        idx = self.select(call)
+        with _range("kvpass.select"):
+            self.observe(call)
+            idx = self.select(call)
         if call.start == 0:
             # metadata built from an adopted cache (a prefill done elsewhere) is prefill work
             self.overhead_prefill_s += time.perf_counter() - t0
@@ -230,11 +291,16 @@ class SiteState:
         self.last_idx = idx
         if self.probe is not None:
             self.probe(self, call, idx)
-        if idx is None:
-            self.attended = call.length
-            return call.exact()
-        self.attended = -1  # counted from last_idx when a report asks (no device sync per step)
-        return self.attend_selected(call, idx)
+        with _range("kvpass.attend"):
+            if idx is None:
+                self.attended = call.length
+                return self.attend_all(call)
+            self.attended = -1  # counted from last_idx when a report asks (no device sync per step)
+            return self.attend_selected(call, idx)
+
+    def attend_all(self, call: AttentionCall) -> torch.Tensor:
+        """A decode step that attends every token (Full, or a budget that covers the context)."""
+        return call.exact()
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
         """(B, H_q, 1, D) attention over the selected positions ``idx`` (B, H_kv, N)."""
@@ -377,6 +443,11 @@ class Runtime:
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
         with self._lock:
             return self.state(site).forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+
+    def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
+        """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
+        with self._lock:
+            return self.state(site).stubs.make(new, length, past)
 
     def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""

@@ -17,11 +17,60 @@ import torch
 from kvpass.runtime.state import KVPassError
 
 
-def make_stub(k: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, H, length, D) with sequence stride 0; row b holds the value b (the batch row's index)."""
+def make_stub(k: torch.Tensor, length: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, length, D) with sequence stride 0; row b holds the value b (the batch row's index).
+
+    ``base``: a ``(B, H, D)`` tensor of row indices to view (a site's persistent base, so that the site
+    knows its own stub by its storage); None makes a fresh one."""
     b, h, _, d = k.shape
-    base = torch.arange(b, device=k.device, dtype=k.dtype).view(b, 1, 1).expand(b, h, d).contiguous()
+    if base is None:
+        base = _row_base(b, h, d, k.dtype, k.device)
     return base.as_strided((b, h, length, d), (h * d, d, 0, 1))
+
+
+def _row_base(b: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.arange(b, device=device, dtype=dtype).view(b, 1, 1).expand(b, h, d).contiguous()
+
+
+# what StubRows.rows returns for the site's own stub, unchanged: rows 0..B-1 in order
+SAME = "same"
+
+
+class StubRows:
+    """The stubs one site hands the model's cache, viewed from two persistent bases per shape.
+
+    A steady decode step must tell its own stub, unchanged, from a reordered one (beam search), a
+    crop or a real cache without reading it: every tensor op on it would be a host sync per layer per
+    step. A stub is ours and in order when its storage is one of the bases and its strides are the
+    stub's; anything else goes through :func:`stub_rows`, which reads the tensor (a scheduled event:
+    a reorder, an adoption). Two bases, because a custom op's output may not alias its input: each
+    step's stub views the base that the previous step's stub (the op's ``past``) does not."""
+
+    def __init__(self) -> None:
+        self.bases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make(self, new: torch.Tensor, length: int, past: torch.Tensor | None = None) -> torch.Tensor:
+        b, h, _, d = new.shape
+        key = (b, h, d, new.dtype, new.device)
+        pair = self.bases.get(key)
+        if pair is None:
+            pair = self.bases[key] = (_row_base(b, h, d, new.dtype, new.device),
+                                      _row_base(b, h, d, new.dtype, new.device))
+            if len(self.bases) > 4:  # a few shapes (k, v; a batch size change): drop the oldest
+                self.bases.pop(next(iter(self.bases)))
+        taken = past is not None and past.untyped_storage().data_ptr() == pair[0].untyped_storage().data_ptr()
+        return make_stub(new, length, pair[1] if taken else pair[0])
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor | str | None:
+        """:data:`SAME` for this site's stub in order, else :func:`stub_rows` of ``t``."""
+        if t.dim() == 4 and t.shape[2] > 0 and t.stride(2) == 0 and t.storage_offset() == 0:
+            b, h, _, d = t.shape
+            pair = self.bases.get((b, h, d, t.dtype, t.device))
+            if pair is not None and t.stride() == (h * d, d, 0, 1):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in (pair[0].untyped_storage().data_ptr(), pair[1].untyped_storage().data_ptr()):
+                    return SAME
+        return stub_rows(t)
 
 
 def stub_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -29,12 +78,11 @@ def stub_rows(t: torch.Tensor) -> torch.Tensor | None:
 
     A stub that the caller reordered (``index_select`` over the batch, as beam search does) comes
     back materialised, so a dense tensor that is constant per batch row and integral is a stub too;
-    real keys are never exactly constant over all positions and channels."""
+    real keys are never exactly constant over all positions and channels. Reads ``t`` (host syncs):
+    the steady decode step recognises its own stub by :class:`StubRows` instead."""
     if t.dim() != 4 or t.shape[2] == 0:
         return None
     rows = t[:, 0, 0, 0]
-    if t.stride(2) == 0 and t.shape[0] == 1:
-        return rows.long()  # the common decode step: one row, nothing to verify per element
     if t.stride(2) != 0:
         if not bool((t == rows.view(-1, 1, 1, 1)).all()):
             return None
@@ -68,6 +116,16 @@ def grow_seq(
         if n:
             out[:, :, :n] = buf[:, :, :n]
     return out
+
+
+def reorder_needed(rows: torch.Tensor, batch: int) -> bool:
+    """True when stub ``rows`` are not 0..``batch``-1 in order; raises when they name no row of ours."""
+    if rows.shape[0] == batch and (batch == 1 and int(rows[0]) == 0 or torch.equal(
+            rows, torch.arange(batch, device=rows.device))):
+        return False
+    if int(rows.min()) < 0 or int(rows.max()) >= batch:
+        raise KVPassError("kvpass: the cache rows were changed in a way kvpass cannot follow")
+    return True
 
 
 class OwnedKV:
@@ -122,16 +180,19 @@ class OwnedKV:
         past_v: torch.Tensor | None,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
+        stubs: StubRows | None = None,
     ) -> bool:
         """Bring the store in line with the model's cache ``past`` and append the new tokens.
 
-        Returns True when the sequence was (re)started here, so that metadata must be rebuilt from
-        position 0: a prefill, a crop, or a cache that was filled outside kvpass."""
+        ``stubs``: the site's :class:`StubRows`, which knows its own stub without reading it (no host
+        sync in a steady decode step). Returns True when the sequence was (re)started here, so that
+        metadata must be rebuilt from position 0: a prefill, a crop, or a cache that was filled outside
+        kvpass."""
         rebuilt = False
         if past_k is None or past_k.shape[2] == 0:
             self.length = 0
             rebuilt = True
-        elif (rows := stub_rows(past_k)) is None:
+        elif (rows := stubs.rows(past_k) if stubs is not None else stub_rows(past_k)) is None:
             # a real cache filled elsewhere (eager prefill, a cache passed in by hand): adopt it
             self.length = 0
             self._reserve(past_k, past_v, past_k.shape[2] + k_new.shape[2])
@@ -146,12 +207,7 @@ class OwnedKV:
                     f"kvpass: the model's cache says {past} tokens but this backend holds {self.length}; "
                     "a cache produced by another backend or model cannot be continued here"
                 )
-            if rows.shape[0] != self.k.shape[0] or (
-                rows.shape[0] > 1 and not torch.equal(rows, torch.arange(rows.shape[0], device=rows.device))
-            ):
-                if int(rows.min()) < 0 or int(rows.max()) >= self.k.shape[0]:
-                    raise KVPassError("kvpass: the cache rows were changed in a way kvpass cannot follow")
-                # beam search reordered (or expanded) the batch between steps
+            if rows is not SAME and self.reorder_needed(rows):
                 self.k = self.k.index_select(0, rows)
                 self.v = self.v.index_select(0, rows)
             if past < self.length:  # cropped (assisted decoding rolled back)
@@ -163,6 +219,11 @@ class OwnedKV:
         self.v[:, :, self.length : end] = v_new
         self.length = end
         return rebuilt
+
+    def reorder_needed(self, rows: torch.Tensor) -> bool:
+        """Whether stub ``rows`` (read from a stub the caller changed) differ from 0..B-1: beam search
+        reordered or expanded the batch between steps (host syncs: not a steady step)."""
+        return reorder_needed(rows, self.k.shape[0])
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]

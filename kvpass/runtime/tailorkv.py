@@ -24,8 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvpass.runtime.state import KVPassError, SiteState, _make_call, valid_from_mask
-from kvpass.runtime.store import grow_seq, stub_rows
+from kvpass.runtime.state import KVPassError, SiteState, _make_call
+from kvpass.runtime.store import SAME, grow_seq, reorder_needed
 
 QUANTISED, SPARSE = "quantised", "sparse"
 
@@ -331,13 +331,13 @@ class TailorState(SiteState):
         t = k_new.shape[2]
         past = 0 if past_k is None else past_k.shape[2]
         length = past + t
-        if valid_from_mask(attn_mask, length) is not None:
+        if self.pad.valid(attn_mask, length, event=not past or t > 1 or self.logical != past) is not None:
             raise KVPassError(
                 "kvpass: TailorKV does not support left-padded batches (padding would be quantised and scored "
                 "with real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
             )
         scale = scale if scale > 0 else 1.0 / math.sqrt(q.shape[-1])
-        rows = stub_rows(past_k) if past else None
+        rows = self.stubs.rows(past_k) if past else None
         dev = q.device
         if not past or rows is None:
             # a new sequence: a prefill, or a cache filled outside kvpass (adopted at this step)
@@ -374,7 +374,7 @@ class TailorState(SiteState):
                 f"every token in full precision"
             )
         b = self.store.k.shape[0] if self.tier == SPARSE else self.packed.b
-        if rows.shape[0] != b or (b > 1 and not torch.equal(rows, torch.arange(b, device=rows.device))):
+        if rows is not SAME and reorder_needed(rows, b):
             raise KVPassError(
                 "kvpass: TailorKV does not follow a batch reordered between steps (beam search); use "
                 "num_beams=1 or a selection policy (Quest, ClusterKV)"
@@ -468,6 +468,7 @@ class TailorState(SiteState):
         self.attended = self.logical
         self.last_idx = None
         if self.n_res == r:
+            self.events += 1
             t0 = time.perf_counter()
             # decoded keys are checked here, once per residual chunk, not at each step (a host sync per
             # layer per step); a NaN would become the scale of its whole channel group

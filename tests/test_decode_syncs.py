@@ -1,0 +1,123 @@
+"""A steady decode step is a fixed-shape tensor program (invariant 8): no op that syncs with the host or
+sizes a tensor by its data, and the same ops step after step, except at the scheduled events a policy
+declares (decode-time clustering, a merge round, a residual flush: ``SiteState.events``)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from tiny import prompt, tiny_llama
+
+from kvpass import (CentroidKV, ClusterKV, Full, Quest, StreamingLLM, TailorKV, kvpass)
+from kvpass.bench.syncs import OpLog
+
+STEPS = 16
+# ops that only make views (no kernel): `t[:, :n]` is a slice or, when n is the whole dim, an alias
+VIEW_OPS = {"aten::alias", "aten::slice", "aten::select", "aten::view", "aten::_unsafe_view", "aten::as_strided",
+            "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::permute", "aten::t",
+            "aten::detach", "aten::reshape", "aten::lift_fresh"}
+
+TINY_POLICIES = [
+    Full(),
+    StreamingLLM(sinks=4, window=8),
+    Quest(budget=16, page_size=4),
+    ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, dense_layers=(), decode_window=8, decode_clusters=2),
+    CentroidKV(cache_ratio=0.5, sinks=2, recent=4, chunk=8, step=4),
+    TailorKV(sparse_budget=16, static_tokens=8, sinks=2, critical_channels=4),  # every layer sparse
+    TailorKV(profile="auto", tau=0.0, group_size=8, residual=8),  # every layer quantised, a flush every 8 steps
+]
+
+
+def _events(backend) -> int:
+    return sum(st.events for st in backend.runtime.sites.values())
+
+
+def decode_log(model, policy, ids, steps=STEPS, backend=None):
+    """Prefill ``ids``, 3 warm-up decode steps (recompiles), then ``steps`` logged steps of the compiled
+    forward: a list of (op names but views, syncing op names, scheduled event ran) per step."""
+    from transformers import DynamicCache
+
+    backend = backend or kvpass(policy)
+    fwd = torch.compile(model.forward, backend=backend)
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        res = fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        tok = res.logits[:, -1:].argmax(-1)
+        for i in range(3 + steps):
+            log, before = OpLog(), _events(backend)
+            with log:
+                res = fwd(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = res.logits[:, -1:].argmax(-1)
+            if i >= 3:
+                ops = tuple(op for op in log.ops if op not in VIEW_OPS)
+                out.append((ops, collections.Counter(log.syncs), _events(backend) != before))
+    return out
+
+
+def check_steady(steps, policy):
+    steady = [s for s in steps if not s[2]]
+    assert len(steady) >= len(steps) // 2, f"{policy}: scheduled events in most steps"
+    for ops, syncs, _ in steady:
+        assert not syncs, f"{policy}: a steady decode step ran syncing ops {dict(syncs)}"
+    shapes = {ops for ops, _, _ in steady}
+    assert len(shapes) == 1, f"{policy}: steady decode steps ran {len(shapes)} different op sequences"
+    assert any("kvpass::attention_owned" in op for op in next(iter(shapes))), "the runtime's op was not logged"
+
+
+@pytest.mark.parametrize("policy", TINY_POLICIES, ids=lambda p: p.describe())
+@pytest.mark.parametrize("batch", [1, 3])
+def test_steady_decode_step_is_sync_free_and_fixed(policy, batch, one_thread):
+    model = tiny_llama()
+    steps = decode_log(model, policy, prompt(48, batch=batch))
+    check_steady(steps, policy.describe())
+
+
+def test_op_log_sees_syncs_inside_kvpass_ops(one_thread):
+    """The log can fail: a policy whose selection reads a tensor on the host is caught."""
+
+    class Syncing(StreamingLLM):
+        def new_state(self, info):
+            st = super().new_state(info)
+            select = st.select
+
+            def select_with_sync(call):
+                idx = select(call)
+                bool(call.q.sum() > 0)  # a host read, as a data-dependent branch would make
+                return idx
+
+            st.select = select_with_sync
+            return st
+
+    steps = decode_log(tiny_llama(), None, prompt(48), steps=2, backend=kvpass(Syncing(sinks=4, window=8)))
+    assert all(s[1] for s in steps)
+    with pytest.raises(AssertionError, match="syncing ops"):
+        check_steady(steps, "Syncing")
+
+
+def test_scheduled_events_are_declared(one_thread):
+    """ClusterKV's decode-time clustering runs every decode_window steps and is declared as an event."""
+    p = ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, dense_layers=(), decode_window=8, decode_clusters=2)
+    steps = decode_log(tiny_llama(), p, prompt(48))
+    assert 1 <= sum(s[2] for s in steps) <= 3
+
+
+@pytest.mark.slow
+def test_steady_decode_on_smollm2(smollm2):
+    """The same on SmolLM2 (30 sites, 3 KV heads), one compile for the policies that share a graph."""
+    ids = smollm2.tokenizer("The history of the city. " * 40, return_tensors="pt")["input_ids"][:, :256]
+    backend = kvpass(Full())
+    policies = [Full(), StreamingLLM(sinks=4, window=60), Quest(budget=64, page_size=16),
+                ClusterKV(budget=64, sinks=4, tokens_per_cluster=8, decode_window=8, decode_clusters=2),
+                CentroidKV(cache_ratio=0.5)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for p in policies:
+            backend.set_policy(p)
+            steps = decode_log(smollm2.model, p, ids, steps=10, backend=backend)
+            check_steady(steps, p.describe())
+    finally:
+        torch.set_num_threads(n)
