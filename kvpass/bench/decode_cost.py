@@ -47,7 +47,8 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   (same model, policy, context, batch, threads). ``--results-md PATH`` writes a page with the tables and
   PNG plots (in the folder named after PATH's stem, next to it).
 
-``--quick``: contexts 1024,2048, batches 1,2 at 2048, 4 timed steps, torch's default threads.
+``--quick``: contexts 1024,2048, batches 1,2 at 2048, 4 timed steps, torch's default threads (22 cells; 2186 s
+measured while two other processes shared the 2 cores, mostly the two compiles).
 """
 
 from __future__ import annotations
