@@ -10,6 +10,10 @@ Then, unless switched off: perplexity of long prose (``--perplexity`` windows, e
 grid, :mod:`kvpass.bench.perplexity`) into ``OUT/perplexity.jsonl`` and kernel micro-benchmarks
 (:mod:`kvpass.bench.kernels`) into ``OUT/kernels.jsonl``; both appear on the page.
 
+``--decode-cost``: instead of the grid, decode cost by context and by batch for eager HF, Full and each
+policy (ms/token, ratios to Full and to the floor, bytes per step against the measured bandwidth, a
+profiler breakdown): :mod:`kvpass.bench.decode_cost`, rows in ``OUT/decode_cost.jsonl``.
+
 ``--quick``: contexts 2048,4096, budgets 256,1024, tasks single_needle,multi_key_needle,
 variable_tracking, 1 sample, the 9 default policies: 54 cells; perplexity at 2048 tokens (64 scored); quick
 kernel shapes. Measured: 500 s on 2 idle cores (compile 116 s; ``kvpass bench --quick --out bench_out/quick3``),
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+GRID_POLICIES = "Full,StreamingLLM,Quest,ClusterKV,CentroidKV"
 QUICK = {
     "contexts": "2048,4096",
     "budgets": "256,1024",
@@ -47,9 +52,11 @@ DEFAULTS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", default="Full,StreamingLLM,Quest,ClusterKV,CentroidKV", metavar="SPECS",
+    p.add_argument("--policies", default=None, metavar="SPECS",
                    help="comma-separated policy specs, e.g. \"Full,StreamingLLM,Quest(page_size=32)\"; "
-                        "each non-Full one is swept over --budgets (default: %(default)s)")
+                        f"each non-Full one is swept over --budgets (default: {GRID_POLICIES}; with --decode-cost: "
+                        "Full,StreamingLLM(budget=1024),Quest(budget=1024),ClusterKV(budget=1024),"
+                        "CentroidKV(cache_ratio=0.25),TailorKV(), each as given)")
     p.add_argument("--budgets", default=None, metavar="N,N",
                    help=f"token budgets (default {DEFAULTS['budgets']}; --quick: {QUICK['budgets']})")
     p.add_argument("--contexts", default=None, metavar="N,N",
@@ -81,9 +88,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smollm2 (the bundled SmolLM2-135M-Instruct) or tiny (random 2-layer Llama with "
                         "SmolLM2's tokenizer: structure only)")
     p.add_argument("--quick", action="store_true", help="a preset that finishes in under 10 minutes on 2 cores")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
+    p.add_argument("--threads", default=None, metavar="N",
+                   help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()}); with "
+                        "--decode-cost a list such as 1,2 (default there: 1 and torch's default; --quick: torch's "
+                        "default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or per-cell lines")
+    g = p.add_argument_group("decode cost", "kvpass bench --decode-cost: ms/token, bytes per step, bandwidth share "
+                                            "and a profiler breakdown by context and by batch "
+                                            "(kvpass.bench.decode_cost); --contexts, --policies, --threads, "
+                                            "--out, --results-md, --model and --quick apply too")
+    g.add_argument("--decode-cost", action="store_true",
+                   help="measure decode cost instead of running the accuracy grid (rows in OUT/decode_cost.jsonl)")
+    g.add_argument("--batches", default=None, metavar="N,N", help="batch sizes at --batch-context (default 1,4,8,16; "
+                                                                 "--quick: 1,2)")
+    g.add_argument("--batch-context", type=int, default=None, metavar="N",
+                   help="context of the batch sweep (default 8192; --quick: 2048)")
+    g.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="timed decode steps per cell, median reported (default 8; --quick: 4)")
+    g.add_argument("--warmup-steps", type=int, default=3, metavar="N",
+                   help="decode steps dropped per cell before timing (default %(default)s)")
+    g.add_argument("--profile-steps", type=int, default=3, metavar="N",
+                   help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
 
 
 def split_specs(text: str) -> list[str]:
@@ -198,7 +223,7 @@ def _command(args: argparse.Namespace) -> str:
     the equivalent command rebuilt from the parsed options."""
     if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return shlex.join(["kvpass"] + sys.argv[1:])
-    parts = ["kvpass", "bench", "--model", args.model, "--policies", args.policies]
+    parts = ["kvpass", "bench", "--model", args.model, "--policies", args.policies or GRID_POLICIES]
     for opt in ("budgets", "contexts", "tasks", "samples", "new_tokens", "perplexity", "ppl_eval_tokens",
                 "threads", "results_md"):
         v = getattr(args, opt)
@@ -219,6 +244,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "decode_cost", False):
+        from kvpass.bench.decode_cost import run as run_decode_cost
+
+        return run_decode_cost(args)
     from kvpass.bench.report import markdown_table, write_results_md
     from kvpass.bench.runner import RESULTS, load_results, run_grid
     from kvpass.bench.tasks import all_tasks
@@ -234,8 +263,12 @@ def run(args: argparse.Namespace) -> int:
     samples = args.samples if args.samples is not None else preset["samples"]
     if samples < 1:
         raise ValueError(f"kvpass: --samples needs a positive number, got {samples}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
+    if args.threads is not None:
+        n = _ints(str(args.threads), "threads")
+        if len(n) != 1:
+            raise ValueError(f"kvpass: the bench grid takes one --threads, got {args.threads!r} (lists are for "
+                             "--decode-cost)")
+        args.threads = n[0]
     if args.new_tokens is not None and args.new_tokens < 2:
         raise ValueError(f"kvpass: --new-tokens needs at least 2, got {args.new_tokens}")
     ppl_text = args.perplexity if args.perplexity is not None else preset["perplexity"]
@@ -243,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     ppl_eval = args.ppl_eval_tokens if args.ppl_eval_tokens is not None else preset["ppl_eval_tokens"]
     if windows and not 1 <= ppl_eval < min(windows):
         raise ValueError(f"kvpass: --ppl-eval-tokens needs 1 <= N < the smallest window, got {ppl_eval}")
-    policies = build_policies(args.policies, budgets)  # before the slow load: bad specs fail at once
+    policies = build_policies(args.policies or GRID_POLICIES, budgets)  # before the slow load: bad specs fail at once
     command = _command(args)
     out = Path(args.out)
 

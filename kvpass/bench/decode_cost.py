@@ -1,0 +1,858 @@
+"""``kvpass bench --decode-cost``: what one decode step costs, per policy, by context and by batch.
+
+::
+
+    kvpass bench --decode-cost --quick                                   # smoke run: a few minutes
+    kvpass bench --decode-cost --threads 1,2 --results-md docs/decode-cost.md --out bench_out/cost
+    kvpass bench --decode-cost --model tiny --contexts 64,128 --batches 1,2 --threads 1   # structure only
+
+Every figure comes from ONE process, for eager Hugging Face (``model.forward`` uncompiled, DynamicCache),
+``Full`` through kvpass, and every policy of ``--policies`` (default: Full, StreamingLLM(budget=1024),
+Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), TailorKV()):
+
+- **by context** (``--contexts``, default 1k..32k) at batch 1, and **by batch** (``--batches``, default
+  1,4,8,16) at ``--batch-context`` (default 8192). Full is also run at every context up to the batch
+  context at every batch, so that each compressed cell has its floor (below).
+- **The cache**: ONE exact prefill of ``min(max context, model positions)`` tokens of ``pydoc_data.topics``
+  prose with the model's own forward. A context up to that length takes the prefix of its keys and values
+  (a causal prefill of the prefix gives the same); a longer one repeats them along the sequence (positions
+  continue past the model's trained window, which RoPE accepts: those columns measure speed only); a batch
+  of B is B copies of the row. Each cell puts the tensors into a fresh ``DynamicCache``
+  (``cache.update(k, v, layer)``) and decodes greedily with a hand loop
+  ``out = fwd(input_ids=ids, past_key_values=cache, use_cache=True)`` under ``torch.no_grad()``.
+- **Time**: ``--warmup-steps`` steps are dropped (the policy adopts the real cache at its first step and
+  builds its metadata there), then the median ms/token of ``--steps`` timed steps. Each graph key is
+  compiled once per thread count (``torch._dynamo.reset()`` between them, ``dynamic=True``) and warmed up
+  on short contexts at batch 1 and 2 first; the row records how many graphs were compiled during its
+  warm-up and its timed steps (``len(backend.graphs)``; 0 expected in the timed steps).
+- **Bytes a step must read** (:func:`weight_bytes`, :func:`step_bytes`): every parameter once (linear
+  weights, norms, the LM head; a tied embedding once, as the LM head; an untied embedding one row per
+  sequence), the attended KV (``tokens_attended`` of ``backend.report_rows()`` summed over sites × 2 ×
+  H_kv × head_dim × element size × batch) and, for compressed policies, the metadata bound
+  ``device_bytes - tokens_held × 2 × H_kv × head_dim × element size × batch`` per site (everything the
+  site holds on the device beyond its keys and values, buffer slack included: an upper bound). Achieved
+  GB/s = bytes / step time, and its share of this machine's bandwidth, measured by the command at the
+  same thread count (:func:`measure_bandwidth`: the best of a few 512 MB tensor sums and copies).
+- **Breakdown** (:func:`breakdown`): ``--profile-steps`` extra steps under ``torch.profiler`` in the cells
+  ``(batch context, batch 1)`` and ``(batch context, batch 8 or the largest)``; self CPU time (main
+  thread) goes to ``selection`` (``kvpass.select`` ranges), ``gather+attention`` (``kvpass.attend``
+  ranges, and SDPA anywhere else; without ranges, SDPA / bmm / matmul under a ``kvpass::`` op),
+  ``bookkeeping`` (``kvpass.bookkeeping`` ranges), ``runtime`` (the rest of the time inside ``kvpass::``
+  ops) and ``rest`` (linear layers and everything else: the profiled step time minus the other buckets,
+  so the buckets sum to the step time).
+- **Threads**: ``--threads 1,2`` runs each thread count in turn (Inductor's C++ kernels fix their OpenMP
+  thread count when compiled, so each thread count compiles its own graphs). Default: 1 and torch's
+  default; with ``--quick`` torch's default only.
+- **Resumable**: rows go to ``OUT/decode_cost.jsonl`` as cells finish; a rerun skips the cells there
+  (same model, policy, context, batch, threads). ``--results-md PATH`` writes a page with the tables and
+  PNG plots (in the folder named after PATH's stem, next to it).
+
+``--quick``: contexts 1024,2048, batches 1,2 at 2048, 4 timed steps, torch's default threads (22 cells; 2186 s
+measured while two other processes shared the 2 cores, mostly the two compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpass.policies.base import Policy
+
+__all__ = ["DEFAULT_POLICIES", "RESULTS", "weight_bytes", "kv_bytes_per_token", "step_bytes", "measure_bandwidth",
+           "breakdown", "parse_policies", "run_decode_cost", "markdown_tables", "write_decode_cost_md", "run"]
+
+RESULTS = "decode_cost.jsonl"
+DEFAULT_POLICIES = ("Full,StreamingLLM(budget=1024),Quest(budget=1024),ClusterKV(budget=1024),"
+                    "CentroidKV(cache_ratio=0.25),TailorKV()")
+DEFAULTS = {"contexts": "1024,2048,4096,8192,16384,32768", "batches": "1,4,8,16", "batch_context": 8192,
+            "steps": 8}
+QUICK = {"contexts": "1024,2048", "batches": "1,2", "batch_context": 2048, "steps": 4}
+EAGER = "eager"
+BUCKETS = ("selection", "gather+attention", "bookkeeping", "runtime", "rest")
+RANGES = {"kvpass.select": "selection", "kvpass.attend": "gather+attention", "kvpass.bookkeeping": "bookkeeping"}
+_WARM_CONTEXTS = (48, 80)
+
+
+# --------------------------------------------------------------------------------------- bytes model
+
+
+def weight_bytes(model, batch: int = 1) -> dict[str, int]:
+    """Bytes of parameters one decode step reads: every parameter once (``model.parameters()`` yields a
+    tied tensor once), except an input embedding that is not the LM head's matrix, of which the lookup
+    reads one row per sequence. ``{"weights": ..., "embedding_rows": ..., "total": ...}``."""
+    emb = model.get_input_embeddings().weight
+    head_mod = model.get_output_embeddings()
+    head = head_mod.weight if head_mod is not None else None
+    tied = head is not None and head is emb
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+    rows = 0 if tied else batch * emb.shape[1] * emb.element_size()
+    return {"weights": int(total), "embedding_rows": int(rows), "total": int(total + rows)}
+
+
+def kv_bytes_per_token(kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of K and V of one token of one sequence at one site."""
+    return 2 * kv_heads * head_dim * element_size
+
+
+def step_bytes(weights: int, tokens_attended: int, per_token: int, batch: int, metadata: int = 0) -> dict[str, int]:
+    """``tokens_attended``: summed over sites, per sequence; ``per_token``: :func:`kv_bytes_per_token`."""
+    kv = int(tokens_attended) * per_token * batch
+    return {"weights": int(weights), "kv": kv, "metadata": int(metadata), "total": int(weights) + kv + int(metadata)}
+
+
+def measure_bandwidth(mb: int = 512, repeats: int = 5) -> dict[str, float]:
+    """This machine's memory bandwidth at the current torch thread count: the best of ``repeats`` sums of an
+    ``mb`` MB fp32 tensor (bytes read / time) and copies into another (bytes read + written / time)."""
+    n = mb * (1 << 20) // 4
+    src = torch.ones(n)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    best_sum, best_copy = 0.0, 0.0
+    src.sum()
+    dst.copy_(src)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best_sum = max(best_sum, nbytes / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best_copy = max(best_copy, 2 * nbytes / (time.perf_counter() - t0) / 1e9)
+    del src, dst
+    return {"sum_gbps": best_sum, "copy_gbps": best_copy, "gbps": max(best_sum, best_copy), "mb": mb,
+            "repeats": repeats, "threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------------------------- breakdown
+
+
+def _is_sdpa(name: str) -> bool:
+    return "scaled_dot_product" in name
+
+
+def _is_attention_math(name: str) -> bool:
+    return _is_sdpa(name) or name in ("aten::bmm", "aten::matmul", "aten::baddbmm", "aten::einsum")
+
+
+def classify(chain: list[str]) -> str | None:
+    """The bucket of an event from its name and its ancestors' (``chain[0]`` the event, then its parent, ...):
+    the innermost ``kvpass.*`` range; else SDPA anywhere, or bmm / matmul under a ``kvpass::`` op:
+    ``gather+attention``; else inside a ``kvpass::`` op: ``runtime``; else None (counted in ``rest``)."""
+    for name in chain:
+        if name in RANGES:
+            return RANGES[name]
+    in_op = any(n.startswith("kvpass::") for n in chain)
+    for name in chain:
+        if name.startswith("kvpass::"):
+            break
+        if _is_sdpa(name) or (in_op and _is_attention_math(name)):
+            return "gather+attention"
+    return "runtime" if in_op else None
+
+
+def breakdown(events, steps: int, wall_s: float) -> dict[str, Any]:
+    """Per-step ms by bucket (see the module docstring) from ``prof.events()`` of ``steps`` decode steps
+    that took ``wall_s`` seconds under the profiler. ``rest`` = step time minus the other buckets."""
+    events = list(events)
+    by_thread: dict[int, int] = defaultdict(int)
+    for e in events:
+        by_thread[e.thread] += 1
+    main = max(by_thread, key=by_thread.get) if by_thread else None
+    sums = dict.fromkeys(BUCKETS, 0.0)
+    ranges_seen = False
+    for e in events:
+        if e.thread != main:
+            continue
+        chain, p = [e.name], e.cpu_parent
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        if e.name in RANGES:
+            ranges_seen = True
+        b = classify(chain)
+        if b is not None:
+            sums[b] += e.self_cpu_time_total / 1e3  # us -> ms
+    step_ms = 1000 * wall_s / steps
+    out = {k: v / steps for k, v in sums.items()}
+    out["rest"] = step_ms - sum(out[k] for k in BUCKETS if k != "rest")
+    return {"steps": steps, "step_ms": step_ms, "ms": out, "source": "ranges" if ranges_seen else "ops"}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _layers_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
+
+
+def _fresh_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x
+        cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache
+
+
+def _cell_kv(prefill_kv, context: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The prefix of the prefill's K/V (``context`` <= its length) or the K/V repeated along the sequence,
+    as ``batch`` copies: fresh contiguous tensors ``(batch, H_kv, context, D)``."""
+    out = []
+    for k, v in prefill_kv:
+        p = k.shape[2]
+        reps = -(-context // p)
+
+        def make(t):
+            t = t[:, :, :context] if reps == 1 else t.repeat(1, 1, reps, 1)[:, :, :context]
+            return t.expand(batch, -1, -1, -1).contiguous()
+
+        out.append((make(k), make(v)))
+    return out
+
+
+def _site_sums(backend) -> dict[str, Any]:
+    rows = [r for r in backend.report_rows() if "reason" not in r]
+    return {
+        "sites": len(rows),
+        "left_exact": len(backend.report_rows()) - len(rows),
+        "tokens_attended": sum(int(r.get("tokens_attended", 0)) for r in rows),
+        "tokens_held": sum(int(r.get("tokens_held", 0)) for r in rows),
+        "device_bytes": sum(int(r.get("device_bytes", 0)) for r in rows),
+        "host_bytes": sum(int(r.get("host_bytes", 0)) for r in rows),
+        "bytes_moved": sum(int(r.get("bytes_moved", 0)) for r in rows),
+        "_rows": rows,
+    }
+
+
+def _metadata_bytes(rows: list[dict], per_token: int, batch: int) -> int:
+    return sum(max(0, int(r.get("device_bytes", 0)) - int(r.get("tokens_held", 0)) * per_token * batch) for r in rows)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def cell_key(row: dict[str, Any]) -> tuple:
+    return (row["model"], row["policy"], int(row["context"]), int(row["batch"]), int(row["threads"]))
+
+
+def _decode(fwd, cache, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        times.append(time.perf_counter() - t0)
+    return ids, times
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def _plan(policies: list[Policy], contexts: list[int], batches: list[int], batch_context: int):
+    """``[(policy or EAGER, context, batch)]``: by context at batch 1, by batch at ``batch_context``, and
+    Full at every context up to ``batch_context`` at every batch (the floors)."""
+    from kvpass.policies.full import Full
+
+    cells, seen = [], set()
+    for p in [EAGER] + policies:
+        mine = [(p, c, 1) for c in contexts] + [(p, batch_context, b) for b in batches]
+        if isinstance(p, Full):
+            mine += [(p, c, b) for c in contexts if c <= batch_context for b in batches]
+        for cell in mine:
+            key = (EAGER if p == EAGER else p.describe(), cell[1], cell[2])
+            if key not in seen:
+                seen.add(key)
+                cells.append(cell)
+    return cells
+
+
+def run_decode_cost(
+    model,
+    tokenizer,
+    policies: list[Policy],
+    contexts: list[int],
+    batches: list[int],
+    out_dir: Path,
+    *,
+    batch_context: int | None = None,
+    threads: list[int] | None = None,
+    steps: int = 8,
+    warmup_steps: int = 3,
+    profile_steps: int = 3,
+    profile_batches: tuple[int, ...] | None = None,
+    bandwidth_mb: int = 512,
+    model_name: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Measure every cell not yet in ``out_dir/decode_cost.jsonl`` (see the module docstring); return the
+    rows of this call's cells. ``profile_batches``: the batches at ``batch_context`` whose cells get the
+    profiler breakdown (default: 1 and 8, or the largest batch when 8 is not measured)."""
+    from kvpass import kvpass
+    from kvpass.bench.perplexity import topics_text
+    from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
+    from kvpass.policies.full import Full
+
+    if steps < 1 or warmup_steps < 1:
+        raise ValueError(f"kvpass: decode cost needs steps >= 1 and warmup_steps >= 1, got {steps}, {warmup_steps}")
+    if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
+        raise ValueError(f"kvpass: decode cost needs positive contexts and batches, got {contexts}, {batches}")
+    policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
+    batch_context = int(batch_context or max(contexts))
+    threads = threads or [torch.get_num_threads()]
+    if profile_batches is None:
+        profile_batches = (1, 8 if 8 in batches else max(batches))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS
+    model_name = model_name or _model_name(model)
+    command = command if command is not None else shlex.join([Path(sys.argv[0]).name] + sys.argv[1:])
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    plan = _plan(policies, contexts, batches, batch_context)
+
+    def key_of(p, c, b, t) -> tuple:
+        return (model_name, EAGER if p == EAGER else p.describe(), int(c), int(b), int(t))
+
+    existing = {cell_key(r): r for r in load_results(path)}
+    results = {k: existing[k] for k in (key_of(p, c, b, t) for t in threads for p, c, b in plan) if k in existing}
+    pending = [(t, p, c, b) for t in threads for p, c, b in plan if key_of(p, c, b, t) not in existing]
+    if progress:
+        print(f"kvpass bench --decode-cost: {len(pending)} of {len(plan) * len(threads)} cells to run "
+              f"({len(results)} already in {path})", flush=True)
+    if not pending:
+        return [results[key_of(p, c, b, t)] for t in threads for p, c, b in plan]
+
+    fwd_eager = model.forward
+    prefill_len = min(max(c for _, _, c, _ in pending), max_pos)
+    ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] < prefill_len + 1:
+        raise ValueError(f"kvpass: the prose has {ids.shape[1]} tokens, fewer than the prefill of {prefill_len}")
+    ids = ids[:, : prefill_len + 1]
+    old_threads = torch.get_num_threads()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # counted in the row
+            t0 = time.perf_counter()
+            out = fwd_eager(input_ids=ids[:, :prefill_len], use_cache=True, logits_to_keep=1)
+            prefill_s = time.perf_counter() - t0
+            prefill_kv = [(k.detach(), v.detach()) for k, v in _layers_kv(out.past_key_values)]
+            last_token = out.logits[:, -1].argmax(-1)
+            del out
+            kv_heads, head_dim, es = prefill_kv[0][0].shape[1], prefill_kv[0][0].shape[3], prefill_kv[0][0].element_size()
+            per_token = kv_bytes_per_token(kv_heads, head_dim, es)
+            n_layers = len(prefill_kv)
+            if progress:
+                print(f"kvpass bench --decode-cost: prefill of {prefill_len} tokens in {prefill_s:.1f} s", flush=True)
+
+            def first_ids(c: int, b: int) -> torch.Tensor:
+                tok = ids[0, c] if c < prefill_len else last_token[0]
+                return tok.view(1, 1).expand(b, 1).contiguous()
+
+            for t in threads:
+                todo = [g for g in pending if g[0] == t]
+                if not todo:
+                    continue
+                torch.set_num_threads(t)
+                gc.collect()
+                bw = measure_bandwidth(bandwidth_mb)
+                machine = machine_info()
+                if progress:
+                    print(f"kvpass bench --decode-cost: {t} thread(s): bandwidth {bw['gbps']:.1f} GB/s (sum "
+                          f"{bw['sum_gbps']:.1f}, copy {bw['copy_gbps']:.1f}, best of {bw['repeats']} x "
+                          f"{bw['mb']} MB)", flush=True)
+                # eager first (nothing to compile), then one backend per graph key, the plain graph first
+                keys = list(dict.fromkeys(["eager"] + [p.graph_key() for _, p, _, _ in todo if p != EAGER]))
+                for gk in keys:
+                    cells = [g for g in todo if (g[1] == EAGER) == (gk == "eager")
+                             and (gk == "eager" or g[1].graph_key() == gk)]
+                    backend, fwd, compile_s = None, fwd_eager, 0.0
+                    if gk != "eager":
+                        torch._dynamo.reset()
+                        first = cells[0][1]
+                        backend = kvpass(Full() if gk == Full().graph_key() else first)
+                        fwd = torch.compile(fwd_eager, backend=backend, dynamic=True)
+                        t0 = time.perf_counter()
+                        warm_batches = {min(g[3], 2) for g in cells}  # batch 1 specialises; 2 stands for all
+                        for b in sorted(warm_batches):
+                            # a context past the model's positions compiles a graph of its own (measured on the
+                            # tiny model): warm that up too when a cell needs it
+                            beyond = any(g[2] > max_pos and min(g[3], 2) == b for g in cells)
+                            for wc in _WARM_CONTEXTS + ((max_pos + _WARM_CONTEXTS[0],) if beyond else ()):
+                                backend.set_policy(first)
+                                cache = _fresh_cache(model, _cell_kv(prefill_kv, wc, b))
+                                _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
+                                del cache
+                        compile_s = time.perf_counter() - t0
+                        if progress:
+                            print(f"kvpass bench --decode-cost: compiled {len(backend.graphs)} graph(s) for {gk} "
+                                  f"in {compile_s:.0f} s ({t} thread(s))", flush=True)
+                    for _, p, c, b in cells:
+                        row = _run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids(c, b), steps=steps,
+                                        warmup_steps=warmup_steps,
+                                        profile_steps=profile_steps if (c == batch_context and b in profile_batches)
+                                        else 0, per_token=per_token, n_layers=n_layers)
+                        row.update({
+                            "model": model_name, "policy": EAGER if p == EAGER else p.describe(),
+                            "policy_name": "eager HF" if p == EAGER else policy_label(p),
+                            "kind": EAGER if p == EAGER else "kvpass",
+                            "budget": None if p == EAGER else policy_budget(p),
+                            "context": int(c), "batch": int(b), "threads": int(t),
+                            "prefill_tokens": prefill_len, "repeated": c > prefill_len,
+                            "max_positions": max_pos, "beyond_positions": c + warmup_steps + steps > max_pos,
+                            "prefill_s": prefill_s, "compile_s": compile_s, "kv_heads": kv_heads,
+                            "head_dim": head_dim, "element_size": es,
+                            "bandwidth": bw, "machine": machine, "command": command, "finished": _now(),
+                        })
+                        wb = weight_bytes(model, b)
+                        row["weight_bytes"] = wb
+                        by = step_bytes(wb["total"], row["tokens_attended"], per_token, b, row["metadata_bytes"])
+                        row["bytes"] = by
+                        row["gbps"] = by["total"] / (row["ms_per_token"] / 1e3) / 1e9
+                        row["bandwidth_share"] = row["gbps"] / bw["gbps"]
+                        _append(path, row)
+                        results[key_of(p, c, b, t)] = row
+                        if progress:
+                            print(f"  {row['policy_name']:<28} ctx={c:<6} batch={b:<3} {row['ms_per_token']:8.1f} "
+                                  f"ms/token, {by['total'] / 1e9:.3f} GB/step, {row['gbps']:.1f} GB/s "
+                                  f"({100 * row['bandwidth_share']:.0f} %), graphs compiled in warm-up / timed steps "
+                                  f"{row['graphs_compiled_warmup']} / {row['graphs_compiled_timed']}", flush=True)
+                    del backend, fwd
+    finally:
+        torch.set_num_threads(old_threads)
+        torch._dynamo.reset()
+    return [results[key_of(p, c, b, t)] for t in threads for p, c, b in plan]
+
+
+def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, steps, warmup_steps, profile_steps,
+              per_token, n_layers) -> dict[str, Any]:
+    gc.collect()
+    if backend is not None:
+        backend.set_policy(policy)
+    cache = _fresh_cache(model, _cell_kv(prefill_kv, context, batch))
+    g0 = len(backend.graphs) if backend is not None else 0
+    ids, warm = _decode(fwd, cache, ids, warmup_steps)
+    g1 = len(backend.graphs) if backend is not None else 0
+    moved0 = _site_sums(backend)["bytes_moved"] if backend is not None else 0
+    ids, timed = _decode(fwd, cache, ids, steps)
+    g2 = len(backend.graphs) if backend is not None else 0
+    row: dict[str, Any] = {
+        "warmup_steps": warmup_steps, "steps": steps,
+        "warmup_ms": [1000 * x for x in warm], "step_ms": [1000 * x for x in timed],
+        "ms_per_token": 1000 * statistics.median(timed), "min_ms": 1000 * min(timed),
+        "graphs_compiled_warmup": g1 - g0, "graphs_compiled_timed": g2 - g1,
+    }
+    if backend is not None:
+        s = _site_sums(backend)
+        rows = s.pop("_rows")
+        row.update(s)
+        row["bytes_moved_per_step"] = (s["bytes_moved"] - moved0) / steps
+        from kvpass.policies.full import Full
+
+        row["metadata_bytes"] = 0 if isinstance(policy, Full) else _metadata_bytes(rows, per_token, batch)
+    else:
+        length = int(cache.get_seq_length())
+        row.update({"sites": n_layers, "left_exact": 0, "tokens_attended": n_layers * length,
+                    "tokens_held": n_layers * length, "device_bytes": n_layers * length * per_token * batch,
+                    "host_bytes": 0, "bytes_moved": 0, "bytes_moved_per_step": 0.0, "metadata_bytes": 0})
+    row["attended_per_site"] = row["tokens_attended"] / max(1, row["sites"])
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            ids, _ = _decode(fwd, cache, ids, profile_steps)
+            wall = time.perf_counter() - t0
+        row["breakdown"] = breakdown(prof.events(), profile_steps, wall)
+        row["graphs_compiled_profile"] = (len(backend.graphs) if backend is not None else 0) - g2
+    del cache
+    return row
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+
+def _f(x, digits: int = 1) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _order(rows: list[dict]) -> list[tuple[str, str]]:
+    """``(policy, policy_name)`` in run order: eager, Full, then the others."""
+    seen = list(dict.fromkeys((r["policy"], r["policy_name"]) for r in rows))
+    return sorted(seen, key=lambda x: (x[0] != EAGER, x[0] != "Full()"))
+
+
+def _label(r: dict) -> str:
+    name = r["policy_name"]
+    if r["policy"] == "Full()":
+        return "Full (kvpass)"
+    b = r.get("budget")
+    if b is not None and "ratio=" not in name:
+        name += f" {b}"
+    return name
+
+
+def _index(rows):
+    return {(r["policy"], r["context"], r["batch"], r["threads"]): r for r in rows}
+
+
+def floor_of(row: dict, rows: list[dict]) -> tuple[dict | None, int | None]:
+    """Full's row at the measured context nearest (log scale) to the tokens the policy attends per site, at the
+    same batch and threads: ``(row, context)``."""
+    fulls = [r for r in rows if r["policy"] == "Full()" and r["batch"] == row["batch"] and r["threads"] == row["threads"]
+             and r["model"] == row["model"]]
+    n = max(1.0, float(row.get("attended_per_site") or 0))
+    if not fulls:
+        return None, None
+    best = min(fulls, key=lambda r: (abs(math.log(r["context"] / n)), r["context"]))
+    return best, best["context"]
+
+
+def _ratios(r: dict, rows: list[dict], idx) -> tuple[float, float, int | None]:
+    full = idx.get(("Full()", r["context"], r["batch"], r["threads"]))
+    vs_full = r["ms_per_token"] / full["ms_per_token"] if full else float("nan")
+    fl, fc = floor_of(r, rows)
+    vs_floor = r["ms_per_token"] / fl["ms_per_token"] if fl else float("nan")
+    return vs_full, vs_floor, fc
+
+
+def _detail_table(rows: list[dict], sel, idx, all_rows) -> list[str]:
+    head = ["policy", "context", "batch", "ms/token", "× Full", "× floor (Full at)", "tokens attended/site",
+            "weights MB", "KV MB", "metadata ≤ MB", "bytes/step MB", "GB/s", "share of bandwidth", "graphs in timed steps"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for pol, _ in _order(rows):
+        for r in sorted([r for r in rows if r["policy"] == pol and sel(r)], key=lambda r: (r["context"], r["batch"])):
+            vs_full, vs_floor, fc = _ratios(r, all_rows, idx)
+            by = r["bytes"]
+            lines.append("| " + " | ".join([
+                _label(r), str(r["context"]), str(r["batch"]), _f(r["ms_per_token"]), _f(vs_full, 2) + "×",
+                f"{_f(vs_floor, 2)}× ({fc})" if fc else "–", _f(r["attended_per_site"], 0),
+                _f(by["weights"] / 1e6), _f(by["kv"] / 1e6), _f(by["metadata"] / 1e6), _f(by["total"] / 1e6),
+                _f(r["gbps"]), _f(100 * r["bandwidth_share"], 0) + " %", str(r["graphs_compiled_timed"]),
+            ]) + " |")
+    return lines
+
+
+def _pivot(rows: list[dict], axis: str, fixed: dict, idx, all_rows) -> list[str]:
+    sel = [r for r in rows if all(r[k] == v for k, v in fixed.items())]
+    vals = sorted({r[axis] for r in sel})
+    head = ["policy"] + [f"{axis} {v}" for v in vals]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * len(vals)) + "|"]
+    for pol, _ in _order(sel):
+        cells, name = [], None
+        for v in vals:
+            r = next((r for r in sel if r["policy"] == pol and r[axis] == v), None)
+            if r is None:
+                cells.append("–")
+                continue
+            name = _label(r)
+            vs_full, vs_floor, _ = _ratios(r, all_rows, idx)
+            cells.append(f"{_f(r['ms_per_token'])} ({_f(vs_full, 2)}× / {_f(vs_floor, 2)}×)")
+        lines.append("| " + " | ".join([name or pol] + cells) + " |")
+    return lines
+
+
+def _breakdown_table(rows: list[dict]) -> list[str]:
+    br = [r for r in rows if r.get("breakdown")]
+    if not br:
+        return []
+    head = ["policy", "context", "batch", "profiled step ms", "timed ms/token"] + [f"{b} ms" for b in BUCKETS] + ["source"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + "|"]
+    for pol, _ in _order(br):
+        for r in sorted([r for r in br if r["policy"] == pol], key=lambda r: r["batch"]):
+            b = r["breakdown"]
+            lines.append("| " + " | ".join([_label(r), str(r["context"]), str(r["batch"]), _f(b["step_ms"]),
+                                            _f(r["ms_per_token"])] + [_f(b["ms"][k]) for k in BUCKETS]
+                                           + [b["source"]]) + " |")
+    return lines
+
+
+def markdown_tables(rows: list[dict[str, Any]]) -> str:
+    """The tables of the page (per model and thread count): ms/token by context and by batch with the
+    ratios to Full and to the floor, the bytes per step and bandwidth per cell, the breakdown."""
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        idx = _index(mrows)
+        for t in sorted({r["threads"] for r in mrows}):
+            trows = [r for r in mrows if r["threads"] == t]
+            bw = trows[-1]["bandwidth"]["gbps"]
+            tiny = " (structure only: random weights)" if model.startswith("tiny") else ""
+            parts.append(f"### {model}{tiny}, {t} thread(s) (bandwidth {bw:.1f} GB/s)")
+            batch_ctx = max((r["context"] for r in trows if r["batch"] > 1), default=None)
+            parts += ["", "**By context, batch 1**: ms/token (× Full at the same context / × floor)", ""]
+            parts += _pivot(trows, "context", {"batch": 1}, idx, mrows)
+            if batch_ctx is not None:
+                parts += ["", f"**By batch, context {batch_ctx}**: ms/token (× Full / × floor)", ""]
+                parts += _pivot(trows, "batch", {"context": batch_ctx}, idx, mrows)
+            parts += ["", "**Bytes per step and bandwidth**", ""]
+            parts += _detail_table(trows, lambda r: r["batch"] == 1 or r["context"] == batch_ctx, idx, mrows)
+            bt = _breakdown_table(trows)
+            if bt:
+                parts += ["", "**Where a step goes** (ms per step, profiled steps)", ""] + bt
+            parts.append("")
+    return "\n".join(parts)
+
+
+# -------------------------------------------------------------------------------------------- plots
+
+
+def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        p = out_dir / name
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        slug = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
+        threads = sorted({r["threads"] for r in mrows})
+        max_pos = mrows[0].get("max_positions")
+        for axis, fixed, fname in (("context", "batch", "ms_vs_context.png"), ("batch", "context", "ms_vs_batch.png")):
+            fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.2), squeeze=False)
+            for ax, t in zip(axes[0], threads):
+                trows = [r for r in mrows if r["threads"] == t]
+                fv = 1 if axis == "context" else max((r["context"] for r in trows if r["batch"] > 1), default=None)
+                if fv is None:
+                    continue
+                for pol, _ in _order(trows):
+                    pts = sorted([r for r in trows if r["policy"] == pol and r[fixed] == fv], key=lambda r: r[axis])
+                    if not pts:
+                        continue
+                    ax.plot([r[axis] for r in pts], [r["ms_per_token"] for r in pts], marker="o", label=_label(pts[0]),
+                            linestyle="--" if pol in ("Full()", EAGER) else "-")
+                if axis == "context" and max_pos and any(r["context"] > max_pos for r in trows):
+                    ax.axvline(max_pos, color="grey", linestyle=":", label=f"trained positions ({max_pos})")
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel(axis + (" (tokens)" if axis == "context" else ""))
+                ax.set_ylabel("ms/token")
+                ax.set_title(f"{model}: ms/token vs {axis} ({fixed} {fv}, {t} thread(s))", fontsize=9)
+                ax.legend(fontsize=7)
+            save(fig, f"{slug}_{fname}")
+        br = [r for r in mrows if r.get("breakdown")]
+        if br:
+            groups = sorted({(r["threads"], r["batch"]) for r in br})
+            fig, axes = plt.subplots(1, len(groups), figsize=(max(5, 1.1 * len(_order(br))) * len(groups), 4.2),
+                                     squeeze=False)
+            for ax, (t, b) in zip(axes[0], groups):
+                sel = [r for r in br if r["threads"] == t and r["batch"] == b]
+                sel = [next(r for r in sel if r["policy"] == pol) for pol, _ in _order(sel)]
+                bottom = [0.0] * len(sel)
+                for bucket in BUCKETS:
+                    vals = [max(0.0, r["breakdown"]["ms"][bucket]) for r in sel]
+                    ax.bar(range(len(sel)), vals, bottom=bottom, label=bucket)
+                    bottom = [x + y for x, y in zip(bottom, vals)]
+                ax.set_xticks(range(len(sel)))
+                ax.set_xticklabels([_label(r) for r in sel], rotation=30, ha="right", fontsize=7)
+                ax.set_ylabel("ms per step (profiled)")
+                ax.set_title(f"{model}: breakdown, context {sel[0]['context']}, batch {b}, {t} thread(s)", fontsize=9)
+                ax.legend(fontsize=7)
+            save(fig, f"{slug}_breakdown.png")
+    return written
+
+
+# --------------------------------------------------------------------------------------------- page
+
+
+def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
+    """The generated page from ``out_dir/decode_cost.jsonl``; plots in ``<path without suffix>/``."""
+    import shutil
+
+    from kvpass.bench.runner import load_results
+
+    out_dir, path = Path(out_dir), Path(path)
+    rows = load_results(out_dir / RESULTS)
+    if not rows:
+        raise ValueError(f"kvpass: no results in {out_dir / RESULTS}; run `kvpass bench --decode-cost` first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img_dir = path.parent / path.stem
+    pngs = plot_all(rows, out_dir / "decode_cost_plots")
+    img_dir.mkdir(parents=True, exist_ok=True)
+    for p in pngs:
+        if (img_dir / p.name).resolve() != p.resolve():
+            shutil.copyfile(p, img_dir / p.name)
+    commands = list(dict.fromkeys([command] + [r.get("command", "") for r in rows]))
+    machines = {}
+    for r in rows:
+        machines[r["threads"]] = (r["machine"], r["bandwidth"])
+    r0 = rows[0]
+    lines = [
+        "# Decode cost",
+        "",
+        "<!-- Generated by `kvpass bench --decode-cost` (kvpass.bench.decode_cost.write_decode_cost_md); do not "
+        "edit by hand: rerun the command(s) below. -->",
+        "",
+        "Every number on this page comes from the run(s) below; see kvpass/bench/decode_cost.py for the method.",
+        "",
+        "## Command(s)",
+        "",
+        "```bash",
+        *[c for c in commands if c],
+        "```",
+        "",
+        "## Machine",
+        "",
+    ]
+    for t, (m, bw) in sorted(machines.items()):
+        lines.append(
+            f"- {t} torch thread(s): {m.get('cpu_count')} cores, {m.get('processor')}, {m.get('platform')}; Python "
+            f"{m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; measured bandwidth "
+            f"{bw['gbps']:.1f} GB/s (best of {bw['repeats']} sums of {bw['mb']} MB: {bw['sum_gbps']:.1f} GB/s read; "
+            f"copies: {bw['copy_gbps']:.1f} GB/s read + written)")
+    first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
+    per_tok = kv_bytes_per_token(r0["kv_heads"], r0["head_dim"], r0["element_size"])
+    wb = r0["weight_bytes"]
+    timed = sorted({r["steps"] for r in rows})
+    warm = sorted({r["warmup_steps"] for r in rows})
+    compiled = sum(r["graphs_compiled_timed"] for r in rows)
+    lines += [
+        "",
+        f"{len(rows)} cells, finished between {first} and {last} (UTC).",
+        "",
+        "## How it was measured",
+        "",
+        f"- **Cache**: one exact prefill of {r0['prefill_tokens']} tokens of `pydoc_data.topics` prose with the "
+        f"model's own forward ({r0['prefill_s']:.1f} s). A context up to {r0['prefill_tokens']} takes the prefix of "
+        "its keys and values; a longer context repeats them along the sequence; a batch of B is B copies of the "
+        "row. Each cell puts them into a fresh `DynamicCache` and decodes greedily with a hand loop "
+        "(`fwd(input_ids=ids, past_key_values=cache, use_cache=True)`, `torch.no_grad()`).",
+        f"- **Time**: the first {', '.join(map(str, warm))} decode step(s) of a cell are dropped (the policy adopts "
+        f"the cache and builds its metadata there); ms/token is the median of {', '.join(map(str, timed))} timed "
+        "steps. Each graph key was compiled once per thread count and warmed up on short contexts first; graphs "
+        f"compiled during timed steps, summed over all cells: **{compiled}**.",
+        f"- **Bytes a step must read**: the weights, {wb['weights'] / 1e6:.1f} MB (every parameter once: linear "
+        "layers, norms, the LM head; a tied embedding once, as the LM head; an untied embedding one row per "
+        f"sequence: {wb['embedding_rows']} B at batch 1), plus the attended KV: `tokens_attended` of "
+        f"`backend.report_rows()` summed over sites × {per_tok} B per token (2 × {r0['kv_heads']} KV heads × "
+        f"{r0['head_dim']} × {r0['element_size']} B) × batch (eager HF: every token at every layer), plus, for "
+        "compressed policies, the metadata bound: per site `device_bytes` minus the keys and values it holds "
+        "(everything else it keeps on the device, buffer slack included, so an upper bound on what a step reads). "
+        "Tokens fetched from a host tier (TailorKV) are counted once, as attended. GB/s = bytes / ms per token; "
+        "the share is of the bandwidth measured above at the same thread count.",
+        "- **Ratios**: × Full is to kvpass Full at the same context, batch and threads; × floor is to F(N, B), "
+        "Full's own ms/token at context N = the tokens the policy attends per site (from the report), taken "
+        "at the nearest measured context (log scale; e.g. Full at 1024 for a budget of 1024), at the same "
+        "batch; that Full context is in parentheses in the detail table.",
+        "- **Breakdown**: extra decode steps under `torch.profiler` after the timed ones; self CPU time of the "
+        "main thread goes to `selection` (ranges `kvpass.select`), `gather+attention` (ranges `kvpass.attend`, "
+        "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "
+        "`bookkeeping` (ranges `kvpass.bookkeeping`), `runtime` (the rest of the time inside `kvpass::` ops) and "
+        "`rest` (linear layers and everything else: the profiled step time minus the others). `source` says "
+        "whether the runtime's `kvpass.*` ranges were present (`ranges`) or only op names (`ops`). Profiled steps "
+        "run slower than timed ones (profiler overhead).",
+    ]
+    beyond = sorted({r["context"] for r in rows if r["beyond_positions"]})
+    if beyond:
+        lines += [
+            f"- **Past the trained window**: the model was trained on {r0['max_positions']} positions; the "
+            f"context(s) {', '.join(map(str, beyond))} go beyond it (repeated keys and values, positions continue "
+            "past it): those columns measure speed only, not a usable model.",
+        ]
+    lines += ["", "## Results", "", markdown_tables(rows), "## Plots", ""]
+    for p in pngs:
+        lines += [f"![{p.stem}]({img_dir.name}/{p.name})", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def parse_policies(text: str) -> list[Policy]:
+    """Policy specs as ``kvpass bench --decode-cost --policies`` takes them: each as given, except that
+    ``budget=N`` also works for a policy without a ``budget`` field (``StreamingLLM(budget=1024)`` is
+    ``StreamingLLM.with_budget(1024)``)."""
+    import re
+
+    from kvpass.bench.cli import split_specs
+    from kvpass.cli import parse_policy
+
+    out = []
+    for spec in split_specs(text):
+        try:
+            out.append(parse_policy(spec))
+        except ValueError:
+            m = re.search(r"\bbudget\s*=\s*(\d+)\s*,?\s*", spec)
+            if m is None:
+                raise
+            rest = (spec[: m.start()] + spec[m.end():]).replace(", )", ")").replace(",)", ")").replace("()", "")
+            out.append(parse_policy(rest, budget=int(m.group(1))))
+    return out
+
+
+def _command(args: argparse.Namespace) -> str:
+    if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
+        return shlex.join(["kvpass"] + sys.argv[1:])
+    parts = ["kvpass", "bench", "--decode-cost", "--model", args.model]
+    for opt in ("policies", "contexts", "batches", "batch_context", "steps", "warmup_steps", "profile_steps",
+                "threads", "results_md"):
+        v = getattr(args, opt, None)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    if args.quick:
+        parts.append("--quick")
+    parts += ["--out", str(args.out)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvpass bench --decode-cost`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
+    from kvpass.bench.cli import _ints, calibrate_policies, load_model
+    from kvpass.bench.runner import load_results
+
+    preset = QUICK if args.quick else DEFAULTS
+    contexts = _ints(args.contexts or preset["contexts"], "contexts")
+    batches = _ints(args.batches or preset["batches"], "batches")
+    batch_context = args.batch_context or preset["batch_context"]
+    steps = args.steps or preset["steps"]
+    default_threads = torch.get_num_threads()
+    if args.threads:
+        threads = _ints(args.threads, "threads")
+    else:
+        threads = [default_threads] if args.quick else list(dict.fromkeys([1, default_threads]))
+    policies = parse_policies(args.policies or DEFAULT_POLICIES)
+    command = _command(args)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    model, tok, model_name = load_model(args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = calibrate_policies(policies, model, tok, out, progress=not args.no_progress)
+    run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
+                    steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
+                    model_name=model_name, command=command, progress=not args.no_progress)
+    rows = [r for r in load_results(out / RESULTS) if r["model"] == model_name]
+    print()
+    print(markdown_tables(rows))
+    if args.results_md:
+        page = write_decode_cost_md(out, Path(args.results_md), command)
+        print(f"kvpass bench --decode-cost: wrote {page}")
+    print(f"kvpass bench --decode-cost: {len(rows)} cells in {out / RESULTS}; this run took "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return 0

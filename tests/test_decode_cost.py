@@ -1,0 +1,159 @@
+"""``kvpass bench --decode-cost`` on the tiny random Llama (structure only: the times mean nothing).
+
+One module-scoped run of :func:`run_decode_cost` (every default policy and eager, contexts 64 and 320 on
+the tiny model limited to 256 positions, so that 320 is past its window, batch 1), then a rerun into the
+same folder with batches 1 and 2 for Full alone, which must skip every finished cell and run only the
+batch-2 cells (eager and Full: one compile); then checks on the rows, the bytes model (by hand from the
+config), the breakdown and the page. Three compiles dominate: 84 s of CPU in all (measured; 211 s of wall
+time while two other test processes shared the 2 cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpass.bench import decode_cost as dc
+from kvpass.bench.cli import tiny_model
+from kvpass.bench.runner import load_results
+
+CONTEXTS, BATCH_CONTEXT = [64, 320], 64
+KW = dict(batch_context=BATCH_CONTEXT, threads=[1], steps=2, warmup_steps=2, profile_steps=1, bandwidth_mb=8,
+          model_name="tiny", command="kvpass bench --decode-cost --model tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvpass.models import load_smollm2
+
+    _, tok = load_smollm2(progress=False)  # the converted cache (reloads in well under a second)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    m = tiny_model(len(tokenizer))
+    m.config.max_position_embeddings = 256  # 320 goes past the "trained" window
+    return m
+
+
+@pytest.fixture(scope="module")
+def run(model, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cost")
+    policies = dc.parse_policies(dc.DEFAULT_POLICIES)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = dc.run_decode_cost(model, tokenizer, policies, CONTEXTS, [1], out, **KW)
+        n_first = len(load_results(out / dc.RESULTS))
+        # resume: the batch-1 cells are in the file; only eager and Full at batch 2 are new
+        again = dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1, 2], out, **KW)
+    finally:
+        torch.set_num_threads(threads)
+    rows = load_results(out / dc.RESULTS)
+    return out, policies, rows, (first, n_first, again)
+
+
+def test_rows_for_every_policy_and_eager(run):
+    out, policies, rows, _ = run
+    names = {r["policy"] for r in rows}
+    assert names == {"eager"} | {p.describe() for p in policies}
+    for name in names:
+        cells = {(r["context"], r["batch"]) for r in rows if r["policy"] == name}
+        assert {(c, 1) for c in CONTEXTS} <= cells
+        assert ((BATCH_CONTEXT, 2) in cells) == (name in ("eager", "Full()"))
+    for r in rows:
+        assert r["ms_per_token"] > 0 and len(r["step_ms"]) == 2 and r["threads"] == 1 and r["batch"] in (1, 2)
+        assert r["graphs_compiled_timed"] == 0, r["policy"]
+        assert r["graphs_compiled_warmup"] == 0, (r["policy"], r["context"], r["batch"])  # the backend warm-up did it
+        assert r["bytes"]["total"] == r["bytes"]["weights"] + r["bytes"]["kv"] + r["bytes"]["metadata"]
+        assert r["gbps"] == pytest.approx(r["bytes"]["total"] / (r["ms_per_token"] / 1e3) / 1e9)
+        assert 0 < r["bandwidth"]["gbps"] and r["bandwidth_share"] > 0
+    # the cache past the 256 positions is the prefill's K/V repeated
+    long = [r for r in rows if r["context"] == 320]
+    assert all(r["repeated"] and r["beyond_positions"] and r["prefill_tokens"] == 256 for r in long)
+    # eager and Full attend every token at every layer (2 layers, context + warm-up + timed steps at most)
+    for r in rows:
+        if r["policy"] in ("eager", "Full()"):
+            assert r["context"] <= r["attended_per_site"] <= r["context"] + 4
+            assert r["bytes"]["kv"] == r["tokens_attended"] * 2 * 2 * 16 * 4 * r["batch"]
+
+
+def test_resume_skips_finished_cells(run):
+    _, _, rows, (first, n_first, again) = run
+    assert len(rows) == n_first + 2  # eager and Full at (64, 2)
+    done = {(r["policy"], r["context"], r["batch"]): r["finished"] for r in first}
+    for r in again:
+        key = (r["policy"], r["context"], r["batch"])
+        if key in done:
+            assert r["finished"] == done[key]  # the row from the file, not a new measurement
+    assert sorted((r["policy"], r["batch"]) for r in rows[n_first:]) == [("Full()", 2), ("eager", 2)]
+
+
+def test_cell_cache_is_prefix_repeat_and_copies():
+    k = torch.arange(2 * 5 * 3, dtype=torch.float32).view(1, 2, 5, 3)
+    (k2, v2), = dc._cell_kv([(k, -k)], 12, 3)
+    assert k2.shape == (3, 2, 12, 3) and k2.is_contiguous()
+    assert torch.equal(k2[1, :, :5], k[0]) and torch.equal(k2[2, :, 5:10], k[0]) and torch.equal(k2[0, :, 10:], k[0, :, :2])
+    (k3, _), = dc._cell_kv([(k, -k)], 4, 1)
+    assert torch.equal(k3, k[:, :, :4])
+
+
+def test_bytes_model_by_hand(model):
+    # tiny Llama: hidden 64, 4 heads × 16, 2 KV heads, MLP 128, 2 layers, untied LM head, fp32
+    h, d, hk, inter, layers, vocab = 64, 16, 2, 128, 2, model.config.vocab_size
+    per_layer = h * 4 * d + 2 * h * hk * d + 4 * d * h + 3 * h * inter + 2 * h
+    weights = 4 * (layers * per_layer + h + vocab * h)  # + final norm + LM head (the embedding is not read whole)
+    for batch in (1, 3):
+        wb = dc.weight_bytes(model, batch)
+        assert wb["weights"] == weights
+        assert wb["embedding_rows"] == 4 * h * batch
+    per_token = dc.kv_bytes_per_token(hk, d, 4)
+    assert per_token == 2 * 2 * 16 * 4
+    by = dc.step_bytes(weights, tokens_attended=2 * 100, per_token=per_token, batch=3, metadata=7)
+    assert by["kv"] == 2 * 100 * 256 * 3 and by["total"] == weights + by["kv"] + 7
+    # tied: the matrix once, no extra rows
+    model.lm_head.weight = model.model.embed_tokens.weight
+    try:
+        wb = dc.weight_bytes(model, 2)
+        assert wb["weights"] == weights and wb["embedding_rows"] == 0
+    finally:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+
+
+def test_breakdown_buckets_sum_to_the_step(run):
+    _, policies, rows, _ = run
+    br = [r for r in rows if r.get("breakdown")]
+    assert {r["policy"] for r in br if r["batch"] == 1} == {"eager"} | {p.describe() for p in policies}
+    assert {(r["policy"], r["batch"]) for r in br if r["batch"] == 2} == {("eager", 2), ("Full()", 2)}
+    assert {r["context"] for r in br} == {BATCH_CONTEXT}
+    for r in br:
+        b = r["breakdown"]
+        assert set(b["ms"]) == set(dc.BUCKETS)
+        assert sum(b["ms"].values()) == pytest.approx(b["step_ms"])
+        assert all(b["ms"][k] >= 0 for k in dc.BUCKETS if k != "rest")
+        if r["policy"] == "Full()":
+            assert b["ms"]["gather+attention"] > 0  # SDPA under kvpass::attention
+
+
+def test_classify_ranges_and_fallback():
+    assert dc.classify(["aten::index_select", "kvpass.select", "kvpass::attention_owned"]) == "selection"
+    assert dc.classify(["aten::bmm", "kvpass.attend", "kvpass::attention_owned"]) == "gather+attention"
+    assert dc.classify(["aten::copy_", "kvpass.bookkeeping", "kvpass::attention"]) == "bookkeeping"
+    assert dc.classify(["aten::bmm", "kvpass::attention_owned"]) == "gather+attention"
+    assert dc.classify(["aten::topk", "kvpass::fetch"]) == "runtime"
+    assert dc.classify(["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention"]) \
+        == "gather+attention"
+    assert dc.classify(["aten::mm", "aten::matmul", "aten::linear"]) is None
+
+
+def test_page_has_command_tables_plots_and_the_window_note(run, tmp_path):
+    out, _, _, _ = run
+    page = dc.write_decode_cost_md(out, tmp_path / "docs" / "decode-cost.md", "kvpass bench --decode-cost --model tiny")
+    text = page.read_text()
+    assert "```bash\nkvpass bench --decode-cost --model tiny\n" in text
+    assert "Past the trained window" in text and "256 positions" in text and "320" in text
+    assert "By context, batch 1" in text and "By batch, context 64" in text and "Where a step goes" in text
+    for name in ("tiny_ms_vs_context.png", "tiny_ms_vs_batch.png", "tiny_breakdown.png"):
+        assert (tmp_path / "docs" / "decode-cost" / name).stat().st_size > 0
+        assert f"decode-cost/{name}" in text
