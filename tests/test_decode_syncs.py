@@ -68,10 +68,10 @@ def check_steady(steps, policy):
 
 
 @pytest.mark.parametrize("policy", TINY_POLICIES, ids=lambda p: p.describe())
-@pytest.mark.parametrize("batch", [1, 3])
-def test_steady_decode_step_is_sync_free_and_fixed(policy, batch, one_thread):
+def test_steady_decode_step_is_sync_free_and_fixed(policy, one_thread):
+    # batch 3: the batch > 1 paths (a stub with several rows was read at every step before StubRows)
     model = tiny_llama()
-    steps = decode_log(model, policy, prompt(48, batch=batch))
+    steps = decode_log(model, policy, prompt(48, batch=3))
     check_steady(steps, policy.describe())
 
 
