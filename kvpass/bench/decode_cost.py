@@ -683,21 +683,11 @@ def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
     """The generated page from ``out_dir/decode_cost.jsonl``; plots in ``<path without suffix>/``."""
-    import shutil
-
-    from kvpass.bench.runner import load_results
+    from kvpass.bench.report import page_rows_and_plots
 
     out_dir, path = Path(out_dir), Path(path)
-    rows = load_results(out_dir / RESULTS)
-    if not rows:
-        raise ValueError(f"kvpass: no results in {out_dir / RESULTS}; run `kvpass bench --decode-cost` first")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img_dir = path.parent / path.stem
-    pngs = plot_all(rows, out_dir / "decode_cost_plots")
-    img_dir.mkdir(parents=True, exist_ok=True)
-    for p in pngs:
-        if (img_dir / p.name).resolve() != p.resolve():
-            shutil.copyfile(p, img_dir / p.name)
+    rows, img_dir, pngs = page_rows_and_plots(out_dir / RESULTS, path, plot_all, out_dir / "decode_cost_plots",
+                                              "kvpass bench --decode-cost")
     commands = list(dict.fromkeys([command] + [r.get("command", "") for r in rows]))
     machines = {}
     for r in rows:

@@ -348,22 +348,30 @@ def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------- page
 
 
+def page_rows_and_plots(results: Path, path: Path, plot, plots_dir: Path, rerun: str):
+    """What a generated page needs: the rows of ``results`` (a ValueError naming
+    ``rerun`` when there are none), and ``plot(rows, plots_dir)``'s PNGs copied into
+    ``<path without suffix>/`` next to the page. Returns ``(rows, img_dir, pngs)``."""
+    rows = load_results(results)
+    if not rows:
+        raise ValueError(f"kvpass: no results in {results}; run `{rerun}` first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img_dir = path.parent / path.stem
+    pngs = plot(rows, plots_dir)
+    if img_dir.resolve() != Path(plots_dir).resolve():
+        img_dir.mkdir(parents=True, exist_ok=True)
+        for p in pngs:
+            shutil.copyfile(p, img_dir / p.name)
+    return rows, img_dir, pngs
+
+
 def write_results_md(out_dir: Path, path: Path, command: str) -> Path:
     """Write a generated page at ``path`` from ``out_dir/results.jsonl``: machine, versions, the
     exact command, the table and the plots (PNGs copied into ``<path without suffix>/`` next to it,
     linked relatively)."""
     out_dir, path = Path(out_dir), Path(path)
-    rows = load_results(out_dir / RESULTS)
-    if not rows:
-        raise ValueError(f"kvpass: no results in {out_dir / RESULTS}; run `kvpass bench --out {out_dir}` first")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img_dir = path.parent / path.stem
-    plots_src = out_dir / "plots"
-    pngs = plot_all(rows, plots_src)
-    if img_dir.resolve() != plots_src.resolve():
-        img_dir.mkdir(parents=True, exist_ok=True)
-        for p in pngs:
-            shutil.copyfile(p, img_dir / p.name)
+    rows, img_dir, pngs = page_rows_and_plots(out_dir / RESULTS, path, plot_all, out_dir / "plots",
+                                              f"kvpass bench --out {out_dir}")
 
     machines = list({tuple(sorted((k, str(v)) for k, v in r["machine"].items())): r["machine"] for r in rows}.values())
     commands = list(dict.fromkeys(r.get("command", "") for r in rows))
