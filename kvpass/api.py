@@ -46,7 +46,19 @@ class KVPassBackend:
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._busy = threading.RLock()  # held while one of this backend's graphs runs (GuardedGraph)
+        self._guards: list = []
+        self._compile_saw = False  # torch.compile(..., backend=self) was called (it reads __name__)
+        self._off_warned = False
+        self.eager_forwards = 0  # forwards of backend.compile()'s model that ran no kvpass graph
         self._pass = KVPassGraphPass(self)
+
+    @property
+    def __name__(self) -> str:
+        # torch.compile reads the backend's name when it wraps a model or function: the sign that
+        # a compile was asked for, so that report() can say why nothing got compiled
+        self._compile_saw = True
+        return "kvpass"
 
     # -- dynamo backend protocol -----------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
@@ -65,7 +77,70 @@ class KVPassBackend:
             warnings.warn(
                 "kvpass: no attention site found in the compiled graph(s) so far: the model runs exact "
                 "(see backend.report())", stacklevel=2)
-        return compiled
+        from kvpass.runtime.guard import GuardedGraph
+
+        guarded = GuardedGraph(compiled, self.runtime, self._busy)
+        self._guards.append(guarded)
+        return guarded
+
+    def compile(self, model: torch.nn.Module, **compile_options: Any) -> torch.nn.Module:
+        """Compile ``model.forward`` with this backend, in place, and return ``model``.
+
+        What ``model.forward = torch.compile(model.forward, backend=backend)`` does, plus a watch: a
+        forward that runs none of this backend's graphs (dynamo ran it eagerly: a recompile limit,
+        ``torch._dynamo.disable``, suppressed errors) decodes uncompressed while the user believes
+        otherwise, so it warns once (raises under ``strict=True``) and ``report()`` counts it.
+        ``compile_options`` go to ``torch.compile`` (``dynamic``, ``fullgraph``, ...)."""
+        import functools
+
+        import torch._dynamo
+
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise KVPassError(
+                "kvpass: backend.compile() needs the model itself, not what torch.compile returned "
+                "(generate() on torch.compile's wrapper runs the uncompiled model); pass model._orig_mod"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"kvpass: backend.compile() needs a torch.nn.Module, got {type(model).__name__}")
+        if "backend" in compile_options:
+            raise TypeError("kvpass: backend.compile() compiles with this backend; drop the backend= option")
+        if getattr(model.forward, "_kvpass_backend", None) is not None:
+            raise KVPassError(
+                f"kvpass: this model's forward is already compiled by {model.forward._kvpass_backend!r}; "
+                "compile a fresh model (or restore this one with `del model.forward`) for another backend"
+            )
+        compiled = torch.compile(model.forward, backend=self, **compile_options)
+
+        @functools.wraps(compiled)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            before = self.graph_calls()
+            out = compiled(*args, **kwargs)
+            if self.graph_calls() == before:
+                self.eager_forwards += 1
+                self._compression_off(
+                    "a forward of the compiled model ran none of kvpass's graphs, so it attended the full "
+                    "cache. Dynamo ran it eagerly: its recompile limit (torch._dynamo.config.recompile_limit"
+                    f" = {torch._dynamo.config.recompile_limit}) counts the graphs of every model compiled "
+                    "in this process, or torch._dynamo.disable or suppressed compile errors cover it. Fix: "
+                    "raise the limit or call torch._dynamo.reset() between unrelated models")
+            return out
+
+        forward._kvpass_backend = self
+        model.forward = forward
+        return model
+
+    def graph_calls(self) -> int:
+        """How many times this backend's compiled graphs have run."""
+        return sum(g.calls for g in self._guards)
+
+    def _compression_off(self, why: str) -> None:
+        """A forward ran without any kvpass graph: warn once, or raise under ``strict``."""
+        msg = f"kvpass: compression is off: {why}. See backend.report()."
+        if self.strict:
+            raise KVPassError(msg)
+        if not self._off_warned:
+            self._off_warned = True
+            warnings.warn(msg, stacklevel=3)
 
     # -- called by the graph pass ----------------------------------------------------------------
     def _site_id(self, path: str, layer: int | None) -> int:
@@ -135,10 +210,20 @@ class KVPassBackend:
         """A plain-text table: layer, pattern, policy, tokens and bytes per tier, calls."""
         rows = self.report_rows()
         head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
+        if self.eager_forwards:
+            head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran without a kvpass "
+                     "graph (dynamo fell back to eager; see the warning)")
         if not rows:
             if self.graphs:
                 return head + (f"\n  no attention site found in {len(self.graphs)} compiled graph(s): the model "
                                "runs exact (kvpass found no KV-cache update feeding an SDPA node)")
+            if self._compile_saw:
+                return head + (
+                    "\n  compression off: torch.compile was given this backend, but no graph has been compiled."
+                    " generate() on what torch.compile(model) returns runs the original, uncompiled module: use"
+                    " backend.compile(model), model.compile(backend=backend) or model.forward = "
+                    "torch.compile(model.forward, backend=backend). If the compiled model did run, dynamo ran "
+                    "it eagerly (its recompile limit reached?)")
             return head + "\n  no attention site found yet (has the compiled model run?)"
         cols = ["layer", "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
                 "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]

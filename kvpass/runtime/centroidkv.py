@@ -44,7 +44,7 @@ class CentroidState(SiteState):
         self.merged = 0
 
     # -- the refusal of caches it cannot shrink --------------------------------------------------
-    def forward(self, call, owned: bool = False) -> torch.Tensor:
+    def forward(self, call, owned: bool = False, static: bool = False) -> torch.Tensor:
         raise KVPassError(
             "kvpass: CentroidKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
             "own_cache=True), the default): this site's cache is kept by the model (a StaticCache, or "

@@ -177,7 +177,7 @@ class ClusterState(SiteState):
     def host_bytes(self) -> int:
         return self.store.nbytes() if self.offloading else 0
 
-    def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
+    def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
         if self.offloading and not owned:
             raise KVPassError(
                 "kvpass: ClusterKV(offload=True) needs the runtime to own the cache (a DynamicCache with "
@@ -189,7 +189,7 @@ class ClusterState(SiteState):
             out = super().forward(call, owned)
             self.kv_bytes = 0
             return out
-        return super().forward(call, owned)
+        return super().forward(call, owned, static)
 
     # -- clustering ------------------------------------------------------------------------------
     def _cluster(self, keys: torch.Tensor, start: int, clusters: int) -> None:

@@ -219,11 +219,16 @@ class SiteState:
         # scheduled events run since the state was made (decode-time clustering, a merge round, a
         # residual flush): the steps that may sync and run other ops than a steady step (tests count them)
         self.events = 0
+        # bumped at every sequence (re)start: a stub tagged with an older epoch belongs to a sequence
+        # this site no longer holds (see KVPassBackend's graph guard)
+        self.epoch = 0
+        self.static_ptr = 0  # the storage of the static cache this sequence runs on (0: none)
         self.reset()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def reset(self) -> None:
         """A new sequence starts (a forward on an empty cache)."""
+        self.epoch += 1
         self.length = 0
         self.physical = 0
         self.kv_bytes = 0
@@ -247,7 +252,19 @@ class SiteState:
         start = 0 if rebuilt else length - k_new.shape[2]
         return self.forward(_make_call(q, k, v, attn_mask, scale, is_causal, length, start), owned=True)
 
-    def forward(self, call: AttentionCall, owned: bool = False) -> torch.Tensor:
+    def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
+        if not owned and call.past > self.length and self.length:
+            # the model's cache grew by steps this site never saw (they ran eagerly, outside the graph):
+            # its metadata lacks them, so rebuild it from the cache, as for an adopted one
+            call.start = 0
+        if static:
+            # a static cache is one buffer per sequence: another buffer mid-sequence is another sequence
+            # stepping on this backend (two static caches in turn); its keys are all in the buffer, so
+            # the metadata is rebuilt from it rather than continued from the other sequence's
+            ptr = call.k.untyped_storage().data_ptr()
+            if call.past and ptr != self.static_ptr:
+                call.start = 0
+            self.static_ptr = ptr
         if call.start == 0:
             self.reset()
         event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
@@ -385,6 +402,9 @@ class Runtime:
         self.probe = None
         self.shared: dict = {}
         self._lock = threading.Lock()
+        # the storage of every stub base a site has handed out -> the site (graph outputs that are
+        # stubs are tagged with their site's sequence by the backend)
+        self.stub_sites: dict[int, int] = {}
         self.handle = registry.register(self)
 
     def info(self, site: int, layer: int | None = None) -> SiteInfo:
@@ -424,7 +444,7 @@ class Runtime:
             length = min(length, int(cache_position[-1].item()) + 1)
         call = _make_call(q, k, v, attn_mask, scale, is_causal, length)
         with self._lock:
-            return self.state(site).forward(call)
+            return self.state(site).forward(call, static=cache_position is not None)
 
     def attend_owned(
         self,
@@ -447,7 +467,9 @@ class Runtime:
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
         with self._lock:
-            return self.state(site).stubs.make(new, length, past)
+            stub = self.state(site).stubs.make(new, length, past)
+            self.stub_sites[stub.untyped_storage().data_ptr()] = site
+            return stub
 
     def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""

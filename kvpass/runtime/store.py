@@ -35,6 +35,101 @@ def _row_base(b: int, h: int, d: int, dtype: torch.dtype, device: torch.device) 
 # what StubRows.rows returns for the site's own stub, unchanged: rows 0..B-1 in order
 SAME = "same"
 
+# Tensor methods that read no data: a stub answers them as the tensor it stands for.
+_STUB_META = frozenset({
+    torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.storage_offset,
+    torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.__len__,
+    torch.Tensor.is_contiguous, torch.Tensor.element_size, torch.Tensor.nelement, torch.Tensor.get_device,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__hash__, torch.Tensor._is_view,
+})
+# Ops that move or select rows without computing with keys: what a caller does to a cache between
+# steps (beam search's index_select, a crop, a batch expansion, a device move). The result is still
+# a stub, so the next op that computes with it is refused.
+_STUB_MOVES = frozenset({
+    torch.Tensor.index_select, torch.Tensor.__getitem__, torch.Tensor.repeat_interleave,
+    torch.Tensor.narrow, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.cpu,
+    torch.Tensor.cuda, torch.Tensor.detach, torch.Tensor.__deepcopy__, torch.index_select,
+    torch.repeat_interleave, torch.narrow,
+})
+
+
+class CacheStub(torch.Tensor):
+    """What the model's cache holds for a runtime-owned site, outside the compiled graph.
+
+    The keys and values live in the runtime; the stub (zero sequence stride) only carries the shape.
+    Inside a kvpass graph that is all the graph needs. An eager frame (dynamo fell back after a
+    recompile limit, ``torch._dynamo.disable``, a graph break inside attention) would compute with
+    it as if it were the keys: every such op raises a :class:`KVPassError` instead (invariant 9).
+    Metadata reads and row moves between steps (beam search, crops) are served; ``kvpass::`` ops get
+    the plain tensor. ``_kvpass_tag``: ``(site, state, epoch)`` of the sequence the stub belongs to,
+    set by the backend when a compiled graph returns it."""
+
+    _kvpass_tag: tuple | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or func in _STUB_META or _is_getter(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if isinstance(func, torch._ops.OpOverload) and func.namespace == "kvpass":
+            args, kwargs = torch.utils._pytree.tree_map_only(CacheStub, plain, (args, kwargs))
+            return func(*args, **kwargs)
+        if func in _STUB_MOVES:
+            tag = next((a._kvpass_tag for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                        if type(a) is CacheStub), None)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: as_cache_stub(t, tag), out)
+        raise KVPassError(eager_read_message(func, args, kwargs))
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"CacheStub(shape={tuple(self.shape)}, dtype={self.dtype}: keys held by kvpass)"
+
+
+def _is_getter(func) -> bool:
+    # property reads (t.shape, t.dtype, t.device, ...) reach __torch_function__ as their __get__
+    return getattr(func, "__name__", None) == "__get__"
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor (the same storage and strides; a stub loses its refusals)."""
+    if type(t) is CacheStub:
+        with torch._C.DisableTorchFunctionSubclass():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+def as_cache_stub(t: torch.Tensor, tag: tuple | None) -> CacheStub:
+    with torch._C.DisableTorchFunctionSubclass():
+        out = t.as_subclass(CacheStub)
+    out._kvpass_tag = tag
+    return out
+
+
+def eager_read_message(func, args, kwargs) -> str:
+    import torch._dynamo
+
+    tag = next((a._kvpass_tag for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                if type(a) is CacheStub and a._kvpass_tag is not None), None)
+    where = ""
+    if tag is not None:
+        info = tag[1].info
+        where = f" of layer {info.layer} ({info.module_path})"
+    name = getattr(func, "__name__", str(func))
+    limit = torch._dynamo.config.recompile_limit
+    return (
+        f"kvpass: {name}() read the KV cache{where} outside the compiled graph. kvpass keeps this "
+        "cache's keys and values in its runtime and the model's cache holds a stub, so an eager step "
+        "would attend garbage. Dynamo ran this step without the kvpass graph: its recompile limit was "
+        f"hit (torch._dynamo.config.recompile_limit = {limit}; it counts the graphs of every model and "
+        "backend compiled in this process, and a model needs 3 for prefill, first and later decode "
+        "steps), torch._dynamo.disable or a graph break covers attention, or a compiled model's cache "
+        "was passed to an uncompiled one. Fix: raise torch._dynamo.config.recompile_limit, call "
+        "torch._dynamo.reset() between unrelated models, keep the cache with the model that made it, "
+        "or pass own_cache=False to kvpass() (the model's cache then keeps real keys)"
+    )
+
 
 class StubRows:
     """The stubs one site hands the model's cache, viewed from two persistent bases per shape.

@@ -320,7 +320,7 @@ class TailorState(SiteState):
         self.plan = (n_s, picked, n_r)
 
     # -- attention -------------------------------------------------------------------------------
-    def forward(self, call, owned: bool = False) -> torch.Tensor:
+    def forward(self, call, owned: bool = False, static: bool = False) -> torch.Tensor:
         raise KVPassError(
             "kvpass: TailorKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
             "own_cache=True), the default): its layers hold a packed cache or a host tier, which a "

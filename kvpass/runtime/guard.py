@@ -1,0 +1,88 @@
+"""The wrapper around every graph a kvpass backend compiles: right or loud at the graph's edge.
+
+Three checks, one pass over the graph's inputs and outputs per call (not per site), make three silent
+failures loud (invariant 9; docs/design.md, "Right or loud at the graph's edge"):
+
+- **Stubs go in plain and come out as :class:`~kvpass.runtime.store.CacheStub`.** A stub in the
+  model's cache refuses every eager op that computes with it, so an eager fallback cannot attend it
+  as if it held keys. Each stub the graph returns is tagged with its site's sequence (``epoch``).
+- **A stub of a sequence the backend no longer holds is refused.** Two sequences interleaved on one
+  backend (two ``generate`` calls stepping in turn, or two threads) would otherwise continue one
+  sequence from the other's state.
+- **One thread at a time.** A graph call while another thread is inside one of this backend's graphs
+  raises at once: the per-site state belongs to one sequence (invariant 4).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from kvpass.runtime.state import KVPassError
+from kvpass.runtime.store import CacheStub, as_cache_stub, plain
+
+if TYPE_CHECKING:
+    from kvpass.runtime.state import Runtime
+
+
+class GuardedGraph:
+    """``compiled(*args)`` with the checks above; ``calls`` counts the calls (for ``report()``)."""
+
+    def __init__(self, compiled: Callable, runtime: Runtime, busy: threading.RLock):
+        self.compiled = compiled
+        self.runtime = runtime
+        self.busy = busy  # shared by every graph of one backend
+        self.calls = 0
+        self._owner: int | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.busy.acquire(blocking=False):
+            raise KVPassError(
+                "kvpass: two threads ran this backend's compiled model at the same time. A kvpass "
+                "backend holds one sequence (one batch) at a time, in its per-site state; concurrent "
+                "generate() calls would decode from each other's caches. Fix: batch the prompts into one "
+                "generate() call, or give each thread its own model compiled with its own kvpass(...) "
+                "backend"
+            )
+        try:
+            args = [self._unwrap(a) if type(a) is CacheStub else a for a in args]
+            out = self.compiled(*args)
+            self.calls += 1
+            return self._tag(out)
+        finally:
+            self.busy.release()
+
+    def _unwrap(self, stub: CacheStub) -> torch.Tensor:
+        tag = stub._kvpass_tag
+        if tag is not None:
+            site, state, epoch = tag
+            if self.runtime.sites.get(site) is not state or state.epoch != epoch:
+                info = state.info
+                raise KVPassError(
+                    f"kvpass: the model's cache for layer {info.layer} ({info.module_path}) belongs to a "
+                    "sequence this backend no longer holds: another sequence was started on the same "
+                    "backend since (two generate() calls stepping in turn, two threads, or "
+                    "backend.clear_state()). A kvpass backend holds one sequence (one batch) at a time. "
+                    "Fix: finish one sequence before starting the next, batch the prompts into one "
+                    "generate() call, or compile one model per concurrent sequence, each with its own "
+                    "kvpass(...) backend"
+                )
+        return plain(stub)
+
+    def _tag(self, out: Any) -> Any:
+        if not isinstance(out, (list, tuple)):
+            return out
+        sites = self.runtime.stub_sites
+        if not sites:
+            return out
+        res = list(out)
+        for i, t in enumerate(res):
+            if (isinstance(t, torch.Tensor) and type(t) is not CacheStub and t.dim() == 4 and t.shape[2]
+                    and t.stride(2) == 0):
+                site = sites.get(t.untyped_storage().data_ptr())
+                state = self.runtime.sites.get(site) if site is not None else None
+                if state is not None:
+                    res[i] = as_cache_stub(t, (site, state, state.epoch))
+        return res if isinstance(out, list) else type(out)(res)
