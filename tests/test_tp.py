@@ -117,3 +117,47 @@ def test_heads_label_claims_a_layout_only_when_the_shard_accounts_for_the_heads(
     # a projection of another width (e.g. fused QKV) says nothing about the KV heads: no layout claimed
     assert heads_label(KeyShard(rank=1, world=2, rows=192, offset=96, local=96), 2, 16) == ""
     assert heads_label(None, 4, 16) == ""  # a single process (no process group): no column
+
+
+#: Every other policy: the first two on Full's graphs, the last two with graphs of their own (a fetch
+#: before each site; TailorKV also a prefetch fed with the query estimated one layer early).
+OTHER_POLICIES = [
+    "Full()",
+    "ClusterKV(budget=48, sinks=4, tokens_per_cluster=8, decode_window=16, dense_layers=[])",
+    "CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=8)",
+    "ClusterKV(budget=48, sinks=4, tokens_per_cluster=8, decode_window=16, dense_layers=[], offload=True)",
+    "TailorKV(sparse_budget=64, static_tokens=24, sinks=4)",
+]
+
+
+@pytest.mark.slow
+def test_every_policy_runs_on_local_heads(tmp_path):
+    """Three compiles on two ranks: about 5 minutes on two shared cores."""
+    out = tmp_path / "ranks.json"
+    args = ["--model", "tiny", "--dir", str(tmp_path / "model"), "--prompt-len", "160", "--new-tokens", "6",
+            "--json", str(out)]
+    for p in OTHER_POLICIES:
+        args += ["--policy", p]
+    try:
+        proc = launch(RANKS, args, timeout=900)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish in 900 s:\n{(e.stderr or '')[-4000:]}")
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = json.loads(out.read_text())
+    local = KV_HEADS // RANKS
+    for r in ranks:
+        assert _run(r, "Full")["tokens"] == r["tokens_tp_eager"]
+        first = r["rank"] * local
+        for run in r["runs"]:
+            sites = [row for row in run["rows"] if "reason" not in row]
+            assert len(sites) == LAYERS and len(sites) == len(run["rows"]), run["report"]
+            assert {row["heads"] for row in sites} == {f"{first}-{first + local - 1} of {KV_HEADS}"}
+            assert set(run["held_heads"]) <= {local}
+            assert len(run["tokens"]) == 6
+            for g in run.get("post_grad", []):
+                assert g["after"] == g["before"]  # the fetch / prefetch / query estimate add no collective
+            if not run["policy"].startswith("Full("):
+                # compressed: fewer tokens attended (selection) or held (merging) than the context
+                assert all(min(row["tokens_attended"], row["tokens_held"]) < row["tokens_logical"] for row in sites), \
+                    run["report"]
+        assert [run["compiled"] for run in r["runs"]] == [True, False, False, True, True]
