@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
-__all__ = ["KeyShard", "key_shards", "heads_label", "collectives", "launch", "main"]
+__all__ = ["KeyShard", "collectives", "heads_label", "key_shards", "launch", "main"]
 
 #: Namespaces of the collective ops that appear in dynamo and post-grad graphs.
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
@@ -125,7 +125,7 @@ def launch(nproc: int, worker_args: list[str], timeout: float, capture: bool = T
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "kvpass.tp", *worker_args]
-    return subprocess.run(cmd, env=env, timeout=timeout, capture_output=capture, text=True, cwd=root)
+    return subprocess.run(cmd, check=False, env=env, timeout=timeout, capture_output=capture, text=True, cwd=root)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,6 +205,12 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvpass import kvpass
     rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+
+    def say(what: str) -> None:  # progress on rank 0 (the summary comes at the end)
+        if rank == 0:
+            print(f"[{time.perf_counter() - start:6.1f} s] {what}", flush=True)
+
     if args.model == "tiny":
         folder = args.dir
         if rank == 0 and not (Path(folder) / "config.json").exists():
@@ -216,9 +222,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             load_smollm2(progress=False)  # converts the bundled GGUF once, if not yet cached
         folder = str(smollm2_cache_path())
     dist.barrier()
+    say(f"{world} ranks: the single-process model and the TP model (tp_plan='auto'), eagerly")
     ids, tok = _prompt(args.model, folder, args.prompt_len)
     res: dict[str, Any] = {"rank": rank, "world": world, "prompt_len": ids.shape[1], "runs": []}
-    load = dict(dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
+    load = {"dtype": torch.float32, "attn_implementation": "sdpa", "local_files_only": True}
     t0 = time.perf_counter()
     with torch.inference_mode():
         single = AutoModelForCausalLM.from_pretrained(folder, **load).eval()
@@ -231,25 +238,25 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     res["logits_diff_single_vs_tp"] = float((logits_single - logits_tp).abs().max())
     res["logits_scale"] = float(logits_single.abs().max())
 
-    backend = None
+    backend = fn = None
     for policy in args.policies:
         run: dict[str, Any] = {"policy": policy.describe()}
         if backend is not None and backend.policy.graph_key() == policy.graph_key():
             backend.set_policy(policy)  # the graphs compiled for the earlier policy serve this one
-            run["compiled"] = False
-            fn = backend_fn
+            run["compiled"] = False  # fn: the earlier policy's backend function
         else:
             torch._dynamo.reset()
             backend = kvpass(policy)
             backend._pass = _CountingPass(backend._pass, run.setdefault("post_grad", []))
             dyn: list = run.setdefault("dynamo", [])
 
-            def backend_fn(gm, example_inputs, _b=backend, _d=dyn):
+            def fn(gm, example_inputs, _b=backend, _d=dyn):
                 _d.append(collectives(gm.graph))
                 return _b(gm, example_inputs)
 
-            fn = backend_fn
             run["compiled"] = True
+        say(f"{policy.describe()}: " + ("compiling with kvpass on every rank" if run["compiled"]
+                                         else "on the graphs compiled for the previous policy (set_policy)"))
         with torch.inference_mode():
             run["tokens"], logits, run["time_s"] = _run_compiled(model, ids, args.new_tokens, fn)
         run["logits_diff_vs_tp_eager"] = float((logits - logits_tp).abs().max())
@@ -273,16 +280,18 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             return compile_fx(gm, example_inputs,
                               config_patches={"post_grad_custom_post_pass": counting, "fx_graph_cache": False})
 
+        say(f"plain Inductor, {args.baseline_tokens} token(s), counting collectives")
         with torch.inference_mode():
             toks, _, secs = _run_compiled(model, ids, args.baseline_tokens, inductor)
         res["baseline"] = {"tokens": toks, "post_grad": log, "dynamo": dyn_log, "time_s": secs}
+    res["total_s"] = time.perf_counter() - start
     return res
 
 
 def _summary(all_ranks: list[dict]) -> str:
     r0 = all_ranks[0]
-    lines = [f"kvpass under tensor parallelism: {r0['world']} ranks (gloo, CPU), {r0['kv_heads']} KV heads, "
-             f"prompt {r0['prompt_len']} tokens"]
+    lines = [(f"kvpass under tensor parallelism: {r0['world']} ranks (gloo, CPU), {r0['kv_heads']} KV heads, "
+              f"prompt {r0['prompt_len']} tokens, {r0['total_s']:.0f} s on rank 0 after the process group started")]
     lines.append(f"  single process vs TP eager: tokens equal {r0['tokens_single'] == r0['tokens_tp_eager']}, "
                  f"max |logit diff| {r0['logits_diff_single_vs_tp']:.2e} (logits up to {r0['logits_scale']:.1f})")
     for i, run in enumerate(r0["runs"]):

@@ -19,7 +19,7 @@ RANKS = 2
 KV_HEADS = 4
 LAYERS = 2  # kvpass.tp's tiny Llama
 HEAD_DIM = 16
-TIMEOUT_S = 300  # two ranks on two shared cores: about 2-3 minutes (docs/scale-out.md)
+TIMEOUT_S = 600  # two ranks on two shared cores: 220 s measured under load, more when the cores are busier
 POLICIES = ["Full()", "Quest(budget=16, page_size=4)", "StreamingLLM(sinks=4, window=12)"]
 
 
@@ -108,7 +108,7 @@ def test_the_pass_adds_no_collective(ranks):
         assert base["post_grad"] and base["tokens"] == r["tokens_tp_eager"][: len(base["tokens"])]
         assert base["post_grad"][0]["after"] == post[0]["after"]
         dyn = [c for c in full["dynamo"] if c]
-        assert dyn and [c for c in base["dynamo"] if c][0] == dyn[0]
+        assert dyn and next(c for c in base["dynamo"] if c) == dyn[0]
 
 
 def test_heads_label_claims_a_layout_only_when_the_shard_accounts_for_the_heads():
