@@ -148,7 +148,8 @@ class KVPassBackend:
                 return head + (f"\n  no attention site found in {len(self.graphs)} compiled graph(s): the model "
                                "runs exact (kvpass found no KV-cache update feeding an SDPA node)")
             return head + "\n  no attention site found yet (has the compiled model run?)"
-        cols = ["layer", *(["heads"] if any("heads" in r for r in rows) else []), "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
+        heads = ["heads"] if any("heads" in r for r in rows) else []  # tensor parallelism only
+        cols = ["layer", *heads, "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
                 "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
         table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
