@@ -161,3 +161,10 @@ def test_every_policy_runs_on_local_heads(tmp_path):
                 assert all(min(row["tokens_attended"], row["tokens_held"]) < row["tokens_logical"] for row in sites), \
                     run["report"]
         assert [run["compiled"] for run in r["runs"]] == [True, False, False, True, True]
+
+
+def test_demo_tp_rejects_a_bad_rank_count_before_launching(capsys):
+    from kvpass.cli import main
+
+    assert main(["demo", "--tp", "0"]) == 2
+    assert "demo --tp needs N >= 1 ranks, got 0" in capsys.readouterr().err
