@@ -6,7 +6,7 @@ TRANSFORMERS ?= 5.18.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpass-installed-$(TRANSFORMERS)
 
-.PHONY: demo test test-fast explain bench-decode clean-venv
+.PHONY: demo tp-demo test test-fast explain bench-decode clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpass demo $(ARGS)
+
+# kvpass under tensor parallelism: SmolLM2 (3 KV heads) on 3 CPU ranks through torchrun (docs/scale-out.md)
+TP ?= 3
+tp-demo: $(STAMP)
+	$(VENV)/bin/kvpass demo --tp $(TP) --quick --budget 256 $(ARGS)
 
 # one pytest worker per core (at most 2): most test time is single-threaded compilation
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; echo $$n)

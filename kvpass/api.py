@@ -45,6 +45,8 @@ class KVPassBackend:
         self.runtime = Runtime(policy)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
+        self._key_shards: dict = {}  # tensor parallelism: the key projection rows this rank holds (kvpass.tp)
+        self._heads: dict[int, str] = {}  # site -> the KV heads it holds under tensor parallelism
         self._lock = threading.Lock()
         self._busy = threading.RLock()  # held while one of this backend's graphs runs (GuardedGraph)
         self._guards: list = []
@@ -68,6 +70,9 @@ class KVPassBackend:
         if not self.cache:
             # A cache hit skips the pass, so the report would miss that graph's sites and reasons.
             patches["fx_graph_cache"] = False
+        from kvpass.tp import key_shards
+
+        self._key_shards = key_shards(gm)  # read by the pass (report() names each rank's KV heads)
         seen = len(self.graphs)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
         # Raised here rather than inside the pass, so that Inductor does not wrap the error.
@@ -198,6 +203,9 @@ class KVPassBackend:
     def report_rows(self) -> list[dict]:
         """One dict per rewritten site (runtime statistics) plus one per site left exact."""
         rows = [self.runtime.state(s).row() for s in sorted(self.runtime.infos)]
+        for r in rows:
+            if self._heads.get(r["site"]):
+                r["heads"] = self._heads[r["site"]]
         for rec in self.graphs:
             for u in rec.unmatched:
                 rows.append(
@@ -225,7 +233,8 @@ class KVPassBackend:
                     "torch.compile(model.forward, backend=backend). If the compiled model did run, dynamo ran "
                     "it eagerly (its recompile limit reached?)")
             return head + "\n  no attention site found yet (has the compiled model run?)"
-        cols = ["layer", "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
+        heads = ["heads"] if any("heads" in r for r in rows) else []  # tensor parallelism only
+        cols = ["layer", *heads, "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
                 "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
         table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
     p.add_argument("--quick", action="store_true", help="a short run for tests: context 1024, 12 new tokens")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="run under tensor parallelism instead: torchrun with N CPU ranks (gloo), the model loaded "
+                        "with tp_plan='auto' on each, Full and the policy compiled with kvpass on every rank, "
+                        "compared with the uncompiled TP model (SmolLM2 has 3 KV heads: N=3; see docs/scale-out.md)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
     policy = policy_from_args(args)  # before the slow load: a bad --policy fails at once
+    if args.tp is not None:
+        return _run_tp(args.tp, policy, context, new_tokens)
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -301,6 +307,19 @@ def run(args: argparse.Namespace) -> int:
         return _run(policy, context, new_tokens)
     finally:
         torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
+
+
+def _run_tp(ranks: int, policy, context: int, new_tokens: int) -> int:
+    """``kvpass demo --tp N``: the demo's prompt through :mod:`kvpass.tp` on N torchrun ranks."""
+    from kvpass.tp import launch
+
+    if ranks < 1:
+        raise ValueError(f"kvpass: demo --tp needs N >= 1 ranks, got {ranks}")
+    args = ["--model", "smollm2", "--prompt-len", str(context), "--new-tokens", str(new_tokens),
+            "--policy", "Full()", "--policy", policy.describe()]
+    print(f"kvpass demo --tp {ranks}: torchrun --standalone --nproc-per-node {ranks} -m kvpass.tp "
+          + " ".join(repr(a) if " " in a else a for a in args), flush=True)
+    return launch(ranks, args, timeout=None, capture=False).returncode
 
 
 def _busy_hint() -> str:

@@ -106,6 +106,7 @@ class KVPassGraphPass(CustomGraphPass):
             info.module_path = m.module_path  # the longest of a site's paths (see _site_id)
         info.pattern = m.pattern
         info.graphs += 1
+        self._note_heads(backend, site, m)
         if m.own is not None and backend.own_cache:
             new = self._rewrite_owned(graph, m, site)
         else:
@@ -128,6 +129,18 @@ class KVPassGraphPass(CustomGraphPass):
             "pattern": m.pattern + (" (owned)" if m.own is not None and backend.own_cache else ""),
             "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
         }
+
+    @staticmethod
+    def _note_heads(backend: KVPassBackend, site: int, m: SiteMatch) -> None:
+        """Under tensor parallelism, which of the model's KV heads this rank's site holds (report())."""
+        from kvpass.tp import heads_label
+
+        k = _val(m.own["k_new"] if m.own is not None else m.k)
+        if k is None or k.ndim != 4 or not all(isinstance(n, int) for n in (k.shape[1], k.shape[3])):
+            return
+        label = heads_label(backend._key_shards.get(m.module_path), int(k.shape[1]), int(k.shape[3]))
+        if label:
+            backend._heads[site] = label
 
     def _insert(self, graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
         with graph.inserting_before(before):
