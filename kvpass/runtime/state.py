@@ -378,14 +378,15 @@ class SiteState:
 class Runtime:
     """All site states of one backend. Compiled graphs reach it through ``handle``."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, key: str | None = None):
         self.policy = policy
         self.sites: dict[int, SiteState] = {}
         self.infos: dict[int, SiteInfo] = {}
         self.probe = None
         self.shared: dict = {}
         self._lock = threading.Lock()
-        self.handle = registry.register(self)
+        # key: what the graphs depend on (the backend passes policy and options); see registry
+        self.handle = registry.register(self, policy.key() if key is None else key)
 
     def info(self, site: int, layer: int | None = None) -> SiteInfo:
         if site not in self.infos:
