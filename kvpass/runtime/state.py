@@ -448,7 +448,13 @@ class Runtime:
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
         with self._lock:
-            return self.state(site).stubs.make(new, length, past)
+            stub = self.state(site).stubs.make(new, length, past)
+        if past is None or new.shape[2] > 1:
+            # The next step decodes from this stub: its length is dynamic from that first decode on, so
+            # dynamo compiles one decode graph for every length instead of one for the prompt's length
+            # and another when it grows. Steady decode steps skip this (their graph is symbolic already).
+            torch._dynamo.maybe_mark_dynamic(stub, 2)
+        return stub
 
     def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""
