@@ -59,13 +59,14 @@ class KVPassBackend:
         compiled = self._compile(gm, example_inputs, cached=self.cache)
         if self.cache:
             if len(self.graphs) > seen:
-                graph_cache.save(key, self.graphs[seen:], self.runtime)
+                graph_cache.save(key, self.graphs[seen:])
             elif not graph_cache.restore(key, self):
                 # Inductor served the graph from its cache but kvpass has no record of what the pass
                 # found there (a cache directory written without it, or site ids that clash with
                 # this backend's): compile again with the caches off, so that the pass runs.
                 compiled = self._compile(gm, example_inputs, cached=False)
-                graph_cache.save(key, self.graphs[seen:], self.runtime)
+                if len(self.graphs) > seen:
+                    graph_cache.save(key, self.graphs[seen:])
         # Raised here rather than inside the pass, so that Inductor does not wrap the error.
         for rec in self.graphs[seen:]:
             self._check_unmatched(rec)

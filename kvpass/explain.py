@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     def compile_and_generate():
         torch._dynamo.reset()
-        backend = kvpass(policy)
+        # a graph dump needs the compile to run, not a hit in Inductor's cache
+        backend = kvpass(policy, cache=args.dump_dir is None)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # printed below
             _generate(model, ids, backend, args.new_tokens, args.cache)

@@ -26,7 +26,6 @@ from torch._dynamo.utils import counters
 if TYPE_CHECKING:
     from kvpass.api import KVPassBackend
     from kvpass.lowering.graph_pass import GraphRecord
-    from kvpass.runtime.state import Runtime
 
 #: Bumped when the record's layout changes, so that old records are not misread.
 FORMAT = 1
@@ -60,7 +59,7 @@ def _path(key: str) -> Path:
     return Path(cache_dir()) / "kvpass" / f"{key}.json"
 
 
-def save(key: str, records: list[GraphRecord], runtime: Runtime) -> None:
+def save(key: str, records: list[GraphRecord]) -> None:
     """Write what the pass found in the graphs of one compile (best effort: a read-only cache
     directory only costs the next process a compile with the caches off)."""
     body = {
