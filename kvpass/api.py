@@ -21,7 +21,7 @@ class KVPassBackend:
     One backend serves one model's sequences at a time; its per-site state lives here and is freed
     with it. ``report()`` shows one row per attention site."""
 
-    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = False, own_cache: bool = True):
+    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = True, own_cache: bool = True):
         if isinstance(policy, type) and issubclass(policy, Policy):
             raise TypeError(
                 f"kvpass: kvpass() needs a policy instance, got the class {policy.__name__}; pass "
@@ -42,7 +42,9 @@ class KVPassBackend:
         self.strict = strict
         self.cache = cache
         self.own_cache = own_cache
-        self.runtime = Runtime(policy)
+        # What the rewritten graphs depend on; the runtime's handle is derived from it (see registry).
+        self._key = policy.key() + f"|own_cache={own_cache}"
+        self.runtime = Runtime(policy, self._key)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
         self._key_shards: dict = {}  # tensor parallelism: the key projection rows this rank holds (kvpass.tp)
@@ -64,17 +66,24 @@ class KVPassBackend:
 
     # -- dynamo backend protocol -----------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        from torch._inductor.compile_fx import compile_fx
+        from kvpass.lowering import graph_cache
 
-        patches: dict[str, Any] = {"post_grad_custom_post_pass": self._pass}
-        if not self.cache:
-            # A cache hit skips the pass, so the report would miss that graph's sites and reasons.
-            patches["fx_graph_cache"] = False
         from kvpass.tp import key_shards
 
         self._key_shards = key_shards(gm)  # read by the pass (report() names each rank's KV heads)
+        key = graph_cache.graph_key(self._pass.uuid(), gm) if self.cache else None
         seen = len(self.graphs)
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = self._compile(gm, example_inputs, cached=self.cache)
+        if self.cache:
+            if len(self.graphs) > seen:
+                graph_cache.save(key, self.graphs[seen:])
+            elif not graph_cache.restore(key, self):
+                # Inductor served the graph from its cache but kvpass has no record of what the pass
+                # found there (a cache directory written without it, or site ids that clash with
+                # this backend's): compile again with the caches off, so that the pass runs.
+                compiled = self._compile(gm, example_inputs, cached=False)
+                if len(self.graphs) > seen:
+                    graph_cache.save(key, self.graphs[seen:])
         # Raised here rather than inside the pass, so that Inductor does not wrap the error.
         for rec in self.graphs[seen:]:
             self._check_unmatched(rec)
@@ -147,6 +156,15 @@ class KVPassBackend:
             self._off_warned = True
             warnings.warn(msg, stacklevel=3)
 
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, cached: bool):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {"post_grad_custom_post_pass": self._pass}
+        if not cached:
+            # Off, the FX graph cache also turns the AOTAutograd cache off (it stores FX graph keys).
+            patches["fx_graph_cache"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
     # -- called by the graph pass ----------------------------------------------------------------
     def _site_id(self, path: str, layer: int | None) -> int:
         with self._lock:
@@ -158,7 +176,24 @@ class KVPassBackend:
                 self._site_ids[path] = sid
             return self._site_ids[path]
 
-    def _same_module(self, path: str, layer: int | None) -> int | None:
+    def _claim_sites(self, claims: dict[str, tuple[int | None, int]]) -> bool:
+        """Adopt the site ids (``path -> (layer, site)``) baked into a graph served from the cache, if
+        they agree with this backend's: a known path keeps its id, a new one takes an id no other
+        module has. False (nothing changed) on a clash. The caller holds ``_lock``."""
+        table = dict(self._site_ids)
+        for path, (layer, sid) in claims.items():
+            if path in table:
+                if table[path] != sid:
+                    return False
+                continue
+            same = self._same_module(path, layer, table)
+            if (same is None and sid in table.values()) or (same is not None and same != sid):
+                return False
+            table[path] = sid
+        self._site_ids = table
+        return True
+
+    def _same_module(self, path: str, layer: int | None, table: dict[str, int] | None = None) -> int | None:
         """The site of a path already seen that names the same module from another frame's root, or None.
 
         A graph break can make dynamo compile an inner module's forward as a frame of its own
@@ -177,10 +212,19 @@ class KVPassBackend:
             return layer_of(other) == layer and (other.endswith("." + path) or path.endswith("." + other))
 
         by_site: dict[int, list[str]] = {}
-        for p, sid in self._site_ids.items():
+        for p, sid in (self._site_ids if table is None else table).items():
             by_site.setdefault(sid, []).append(p)
         hits = [sid for sid, paths in by_site.items() if all(related(p) for p in paths)]
         return hits[0] if len(hits) == 1 else None
+
+    def _note_site(self, site: int, path: str, layer: int | None, pattern: str):
+        """Record in the runtime what the pass found at ``site`` (also replayed on a cache hit)."""
+        info = self.runtime.info(site, layer if layer is not None else site)
+        if info.module_path == "?" or len(path) > len(info.module_path):
+            info.module_path = path  # the longest of a site's paths (see _site_id)
+        info.pattern = pattern
+        info.graphs += 1
+        return info
 
     def _record_graph(self, kind: str, rows: list[dict], unmatched: list) -> None:
         from kvpass.lowering.graph_pass import GraphRecord
@@ -280,9 +324,11 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
 
     Options:
     - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact.
-    - ``cache`` (bool, default False): let Inductor's FX graph cache serve compiled graphs across
-      processes (keyed on the pass code, the policy and the backend handle). Faster warm starts, but
-      a cache hit skips the pass, so ``report()`` then lacks that graph's pattern and reasons.
+    - ``cache`` (bool, default True): let Inductor's FX graph and AOTAutograd caches serve compiled
+      graphs across processes (keyed on the pass code, the policy, the options and the backend's
+      handle, which is the same for the n-th backend of a policy in every process). What the pass
+      found in a graph is kept beside Inductor's entry and restored on a hit, so ``report()`` is the
+      same warm or cold. False compiles every graph afresh.
     - ``own_cache`` (bool, default True): for caches that grow by concatenation (DynamicCache), the
       runtime keeps the keys and values in its own buffers, appended in place, and the model's cache
       holds a zero-stride stub of the right length. False leaves the model's cache as it is.

@@ -38,7 +38,7 @@ DEPTH = 0.4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpass.cli import DEFAULT_POLICY, add_policy_arguments
+    from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments
 
     add_policy_arguments(p, DEFAULT_POLICY)
     p.add_argument("--context", type=int, default=None, metavar="N",
@@ -116,23 +116,6 @@ def build_prompt(tokenizer, context: int, depth: float = DEPTH) -> tuple[str, in
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Stamps:
-    """A ``BaseStreamer``: ``generate`` calls ``put`` with the prompt first, then with every new token."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value):
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 @dataclass
 class Result:
     policy: str
@@ -155,31 +138,6 @@ class Result:
         return ANSWER in self.answer
 
 
-def _generation_config(model, new_tokens: int):
-    import copy
-
-    gen = copy.deepcopy(model.generation_config)
-    gen.max_new_tokens = new_tokens
-    gen.min_new_tokens = None
-    gen.do_sample = False
-    gen.temperature = gen.top_p = gen.top_k = None
-    # Decode the same number of tokens with every policy: do not stop at <|im_end|> (the answer is cut
-    # there afterwards). An empty list, not None: generate() fills None from model.generation_config.
-    # Callers pass attention_mask: with pad (<|im_end|>) no longer an EOS token, generate() would
-    # otherwise infer a mask that hides the prompt's own <|im_end|> tokens as padding.
-    gen.eos_token_id = []
-    if gen.pad_token_id is None:
-        gen.pad_token_id = 0
-    return gen
-
-
-def _answer(tokenizer, new_ids: list[int]) -> str:
-    end = tokenizer.get_vocab().get("<|im_end|>", tokenizer.eos_token_id)
-    if end in new_ids:
-        new_ids = new_ids[: new_ids.index(end)]
-    return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
-
-
 WARMUP_TOKENS = 64
 
 
@@ -193,6 +151,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
     import warnings
 
     from kvpass import kvpass
+    from kvpass.bench.timing import Stamps, answer_text, generation_config
 
     name = policy.describe()
     fwd = model.forward
@@ -214,21 +173,21 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
                 t0 = time.perf_counter()
                 warm = ids[:, :WARMUP_TOKENS]
                 model.generate(warm, attention_mask=torch.ones_like(warm),
-                               generation_config=_generation_config(model, 2))
+                               generation_config=generation_config(model, 2))
                 compile_s = time.perf_counter() - t0
             n_graphs = len(backend.graphs)
             with step(f"{name}: prefill {ids.shape[1]} tokens, then decode {new_tokens}"):
-                stamps = _Stamps()
+                stamps = Stamps()
                 start = time.perf_counter()
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     generation_config=_generation_config(model, new_tokens), streamer=stamps)
+                                     generation_config=generation_config(model, new_tokens), streamer=stamps)
     finally:
         model.forward = fwd
     t = stamps.times
     new_ids = out[0, ids.shape[1]:].tolist()
     res = Result(
         policy=name,
-        answer=_answer(tokenizer, new_ids),
+        answer=answer_text(tokenizer, new_ids),
         tokens=len(new_ids),
         prefill_s=t[0] - start,
         decode_ms=1000 * (t[-1] - t[0]) / max(1, len(t) - 1),
@@ -289,7 +248,7 @@ def _print_result(r: Result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpass.cli import policy_from_args
+    from kvpass.policies.parse import policy_from_args
 
     context = args.context if args.context is not None else (1024 if args.quick else 4096)
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 24)

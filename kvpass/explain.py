@@ -38,7 +38,7 @@ _CALL = re.compile(r"torch\.ops\.kvpass\.(attention\w*)\.default\(")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpass.cli import DEFAULT_POLICY, add_policy_arguments
+    from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments
 
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: a random 2-layer Llama (default, no download, fast); "
@@ -176,7 +176,7 @@ def _rewritten_graph_files(method: str, files: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from kvpass import kvpass
-    from kvpass.cli import policy_from_args
+    from kvpass.policies.parse import policy_from_args
 
     policy = policy_from_args(args)
     if args.new_tokens < 1:
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     def compile_and_generate():
         torch._dynamo.reset()
-        backend = kvpass(policy)
+        # a graph dump needs the compile to run, not a hit in Inductor's cache
+        backend = kvpass(policy, cache=args.dump_dir is None)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # printed below
             _generate(model, ids, backend, args.new_tokens, args.cache)

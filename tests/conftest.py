@@ -1,6 +1,16 @@
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from types import SimpleNamespace
+
+# Each test session (each xdist worker) compiles into an Inductor cache directory of its own, which its
+# subprocesses inherit: kvpass caches compiled graphs by default, and a hit in a cache left by an
+# earlier session would skip the pass whose counters and rewrites the tests assert.
+_inductor_cache = tempfile.mkdtemp(prefix="kvpass-test-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 # The Triton kernels run under the interpreter on this CPU-only machine; set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,7 +13,8 @@ import re
 import pytest
 
 from kvpass import Full, Quest, StreamingLLM, TailorKV
-from kvpass.cli import main, parse_policy
+from kvpass.cli import main
+from kvpass.policies.parse import parse_policy
 from kvpass.policies import Policy, base
 
 # kvpass::attention or a variant of it (kvpass::attention_owned when the runtime owns the cache)
@@ -243,7 +244,7 @@ def test_demo_generation_config_decodes_past_eos_without_masking_the_prompt():
     import torch
     from tiny import prompt, tiny_llama
 
-    from kvpass.demo import _generation_config
+    from kvpass.bench.timing import generation_config
 
     model = tiny_llama()
     ids = prompt(16)
@@ -265,6 +266,32 @@ def test_demo_generation_config_decodes_past_eos_without_masking_the_prompt():
         return fwd(*args, **kwargs)
 
     model.forward = recording_forward
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_generation_config(model, 6))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation_config(model, 6))
     assert torch.equal(out, expected)
     assert masks and all(m is None or bool(m.all()) for m in masks)
+
+
+def test_nothing_imports_the_command_line():
+    """cli.py only dispatches: what the subcommands share lives below it (kvpass.policies.parse,
+    kvpass.bench.timing), and no module imports another subcommand's private names."""
+    import ast
+    from pathlib import Path
+
+    from kvpass.cli import COMMANDS
+
+    commands = {module for _, module, _ in COMMANDS}
+    pkg = Path(__file__).resolve().parent.parent / "kvpass"
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module + "." + a.name for a in node.names]
+                if node.module == "kvpass" and any(a.name == "cli" for a in node.names):
+                    offenders.append(f"{path.name}: from kvpass import cli")
+                if node.module == "kvpass.cli":
+                    offenders.append(f"{path.name}: {names}")
+                if node.module in commands and any(a.name.startswith("_") for a in node.names):
+                    offenders.append(f"{path.name}: private {names}")
+            elif isinstance(node, ast.Import):
+                offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name == "kvpass.cli"]
+    assert offenders == []

@@ -9,7 +9,7 @@ import torch
 from kvpass import (CentroidKV, ClusterKV, Full, KVPassError, Quest, StreamingLLM, TailorKV, kvpass,
                     policy_from_dict)
 from kvpass.api import KVPassBackend, kvpass_backend
-from kvpass.cli import parse_policy
+from kvpass.policies.parse import parse_policy
 from kvpass.policies.base import registered_policies
 from tiny import prompt, tiny_llama
 
@@ -57,10 +57,10 @@ def test_bool_options_must_be_bools(option, value, fix):
 
 
 def test_bool_options_keep_their_values():
-    be = kvpass(Full(), strict=True, cache=True, own_cache=False)
-    assert (be.strict, be.cache, be.own_cache) == (True, True, False)
+    be = kvpass(Full(), strict=True, cache=False, own_cache=False)
+    assert (be.strict, be.cache, be.own_cache) == (True, False, False)
     be = kvpass(Full())
-    assert (be.strict, be.cache, be.own_cache) == (False, False, True)
+    assert (be.strict, be.cache, be.own_cache) == (False, True, True)
 
 
 def test_unknown_options_are_named_with_the_closest():

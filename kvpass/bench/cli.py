@@ -10,6 +10,10 @@ Then, unless switched off: perplexity of long prose (``--perplexity`` windows, e
 grid, :mod:`kvpass.bench.perplexity`) into ``OUT/perplexity.jsonl`` and kernel micro-benchmarks
 (:mod:`kvpass.bench.kernels`) into ``OUT/kernels.jsonl``; both appear on the page.
 
+``--compile-time``: instead of the grid, seconds to the first tokens of a fresh process, compile
+included, cold and warm, plain Inductor against kvpass: :mod:`kvpass.bench.compile_time`, rows in
+``OUT/compile_time.jsonl``.
+
 ``--decode-cost``: instead of the grid, decode cost by context and by batch for eager HF, Full and each
 policy (ms/token, ratios to Full and to the floor, bytes per step against the measured bandwidth, a
 profiler breakdown): :mod:`kvpass.bench.decode_cost`, rows in ``OUT/decode_cost.jsonl``.
@@ -109,6 +113,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps dropped per cell before timing (default %(default)s)")
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
+    c = p.add_argument_group("compile time", "kvpass bench --compile-time: seconds from torch.compile to the last "
+                                             "of --new-tokens tokens (default 8) after a --contexts prompt "
+                                             "(default 64) in fresh processes, cold and warm, plain Inductor and "
+                                             "kvpass(policy) for each of --policies (default Full), at one "
+                                             "--threads (kvpass.bench.compile_time)")
+    c.add_argument("--compile-time", action="store_true",
+                   help="measure compile time instead of running the accuracy grid (rows in OUT/compile_time.jsonl)")
 
 
 def split_specs(text: str) -> list[str]:
@@ -128,7 +139,7 @@ def split_specs(text: str) -> list[str]:
     return [s for s in out if s]
 
 
-def _ints(text: str, what: str) -> list[int]:
+def parse_ints(text: str, what: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -141,7 +152,7 @@ def _ints(text: str, what: str) -> list[int]:
 def build_policies(specs: str, budgets: list[int]):
     """Full plus every non-Full spec × every budget (``parse_policy(spec, budget=b)``); a spec that sets
     its own ``budget`` or ``cache_ratio`` is taken as it is."""
-    from kvpass.cli import parse_policy
+    from kvpass.policies.parse import parse_policy
     from kvpass.policies.full import Full
 
     out = [Full()]
@@ -244,6 +255,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "compile_time", False):
+        from kvpass.bench.compile_time import run as run_compile_time
+
+        return run_compile_time(args)
     if getattr(args, "decode_cost", False):
         from kvpass.bench.decode_cost import run as run_decode_cost
 
@@ -253,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
     from kvpass.bench.tasks import all_tasks
 
     preset = QUICK if args.quick else DEFAULTS
-    contexts = _ints(args.contexts or preset["contexts"], "contexts")
-    budgets = _ints(args.budgets or preset["budgets"], "budgets")
+    contexts = parse_ints(args.contexts or preset["contexts"], "contexts")
+    budgets = parse_ints(args.budgets or preset["budgets"], "budgets")
     tasks_arg = args.tasks or preset["tasks"]
     tasks = [t.strip() for t in tasks_arg.split(",") if t.strip()] if tasks_arg else all_tasks()
     bad = [t for t in tasks if t not in all_tasks()]
@@ -264,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if samples < 1:
         raise ValueError(f"kvpass: --samples needs a positive number, got {samples}")
     if args.threads is not None:
-        n = _ints(str(args.threads), "threads")
+        n = parse_ints(str(args.threads), "threads")
         if len(n) != 1:
             raise ValueError(f"kvpass: the bench grid takes one --threads, got {args.threads!r} (lists are for "
                              "--decode-cost)")
@@ -272,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     if args.new_tokens is not None and args.new_tokens < 2:
         raise ValueError(f"kvpass: --new-tokens needs at least 2, got {args.new_tokens}")
     ppl_text = args.perplexity if args.perplexity is not None else preset["perplexity"]
-    windows = [] if ppl_text.strip() == "0" else _ints(ppl_text, "perplexity")
+    windows = [] if ppl_text.strip() == "0" else parse_ints(ppl_text, "perplexity")
     ppl_eval = args.ppl_eval_tokens if args.ppl_eval_tokens is not None else preset["ppl_eval_tokens"]
     if windows and not 1 <= ppl_eval < min(windows):
         raise ValueError(f"kvpass: --ppl-eval-tokens needs 1 <= N < the smallest window, got {ppl_eval}")

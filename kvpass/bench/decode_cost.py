@@ -782,7 +782,7 @@ def parse_policies(text: str) -> list[Policy]:
     import re
 
     from kvpass.bench.cli import split_specs
-    from kvpass.cli import parse_policy
+    from kvpass.policies.parse import parse_policy
 
     out = []
     for spec in split_specs(text):
@@ -814,17 +814,17 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvpass bench --decode-cost`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import _ints, calibrate_policies, load_model
+    from kvpass.bench.cli import parse_ints, calibrate_policies, load_model
     from kvpass.bench.runner import load_results
 
     preset = QUICK if args.quick else DEFAULTS
-    contexts = _ints(args.contexts or preset["contexts"], "contexts")
-    batches = _ints(args.batches or preset["batches"], "batches")
+    contexts = parse_ints(args.contexts or preset["contexts"], "contexts")
+    batches = parse_ints(args.batches or preset["batches"], "batches")
     batch_context = args.batch_context or preset["batch_context"]
     steps = args.steps or preset["steps"]
     default_threads = torch.get_num_threads()
     if args.threads:
-        threads = _ints(args.threads, "threads")
+        threads = parse_ints(args.threads, "threads")
     else:
         threads = [default_threads] if args.quick else list(dict.fromkeys([1, default_threads]))
     policies = parse_policies(args.policies or DEFAULT_POLICIES)

@@ -239,7 +239,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from kvpass import Full, kvpass
-    from kvpass.cli import parse_policy
+    from kvpass.policies.parse import parse_policy
     from kvpass.models import load_smollm2
 
     ap = argparse.ArgumentParser(

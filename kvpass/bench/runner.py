@@ -207,19 +207,19 @@ def _prefill(fwd, ids: torch.Tensor):
 def _warm_up(model, fwd, tokenizer, share_prefill: bool) -> float:
     """Compile every graph a cell will use (prefill, first decode, dynamic decode, and the continuation
     from an adopted cache) on a short input; returns the seconds it took."""
-    from kvpass.demo import _generation_config
+    from kvpass.bench.timing import generation_config
     from kvpass.models import chat_prompt
 
     t0 = time.perf_counter()
     warm = tokenizer(chat_prompt(tokenizer, "Say hello. " * 16), return_tensors="pt",
                      add_special_tokens=False)["input_ids"][:, :_WARMUP_TOKENS]
-    model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=_generation_config(model, 2))
+    model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=generation_config(model, 2))
     if share_prefill:
         # the continuation from an adopted cache passes a real cache, not a stub: its own graph
         first, cache, _ = _prefill(fwd, warm)
         warm1 = torch.cat([warm, first], dim=1)
         model.generate(warm1, attention_mask=torch.ones_like(warm1), past_key_values=cache,
-                       generation_config=_generation_config(model, 3))
+                       generation_config=generation_config(model, 3))
     return time.perf_counter() - t0
 
 
@@ -277,7 +277,7 @@ def run_grid(
     from kvpass import kvpass
     from kvpass.bench.recall import RecallProbe
     from kvpass.bench.tasks import all_tasks, make_sample, score
-    from kvpass.demo import _answer, _generation_config, _Stamps
+    from kvpass.bench.timing import Stamps, answer_text, generation_config
     from kvpass.models import chat_prompt
     from kvpass.policies.full import Full
 
@@ -378,11 +378,11 @@ def run_grid(
                 backend.runtime.set_probe(probe)
                 graphs_before = len(backend.graphs)
                 nt = n_new(t)
-                stamps = _Stamps()
+                stamps = Stamps()
                 if shared is None:
                     start = time.perf_counter()
                     out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                         generation_config=_generation_config(model, nt), streamer=stamps)
+                                         generation_config=generation_config(model, nt), streamer=stamps)
                     new_ids = out[0, ids.shape[1]:].tolist()
                 else:
                     # Continue from the shared exact prefill: the first new token is already chosen; the
@@ -391,11 +391,11 @@ def run_grid(
                     start = time.perf_counter() - prefill_s
                     ids1 = torch.cat([ids, first], dim=1)
                     out = model.generate(ids1, attention_mask=torch.ones_like(ids1), past_key_values=copy.deepcopy(cache),
-                                         generation_config=_generation_config(model, nt - 1), streamer=stamps)
+                                         generation_config=generation_config(model, nt - 1), streamer=stamps)
                     new_ids = out[0, ids.shape[1]:].tolist()
                 backend.runtime.set_probe(None)
                 times = stamps.times
-                answer = _answer(tokenizer, new_ids)
+                answer = answer_text(tokenizer, new_ids)
                 row: dict[str, Any] = {
                     "model": model_name,
                     "policy": p.describe(),

@@ -62,13 +62,14 @@ class KVPassGraphPass(CustomGraphPass):
 
     def __init__(self, backend: KVPassBackend):
         self._backend = weakref.ref(backend)
-        self._key = backend.policy.key() + f"|own_cache={backend.own_cache}"
+        self._key = backend._key
         self._handle = backend.runtime.handle
 
     def uuid(self) -> str:
-        # Pass code + every policy parameter + the backend's handle: two policies (or two backends,
-        # whose graphs carry different handles) never share compiled code. (set_policy swaps within
-        # one backend only between policies that compile to the same graph.)
+        # Pass code + every policy parameter and option + the backend's handle: two policies (or two
+        # backends, whose graphs carry different handles) never share compiled code, while the n-th
+        # backend of a policy in a new process (same handle) reuses the n-th's of an earlier one.
+        # (set_policy swaps within one backend only between policies that compile to the same graph.)
         h = hashlib.sha256(get_hash_for_files(_PASS_FILES))
         h.update(self._key.encode())
         h.update(str(self._handle).encode())
@@ -101,11 +102,7 @@ class KVPassGraphPass(CustomGraphPass):
 
     def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: KVPassBackend) -> dict:
         site = backend._site_id(m.module_path, m.layer)
-        info = backend.runtime.info(site, m.layer if m.layer is not None else site)
-        if info.module_path == "?" or len(m.module_path) > len(info.module_path):
-            info.module_path = m.module_path  # the longest of a site's paths (see _site_id)
-        info.pattern = m.pattern
-        info.graphs += 1
+        backend._note_site(site, m.module_path, m.layer, m.pattern)
         self._note_heads(backend, site, m)
         if m.own is not None and backend.own_cache:
             new = self._rewrite_owned(graph, m, site)

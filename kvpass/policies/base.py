@@ -52,9 +52,9 @@ def check_fields(cls: type[Policy], keys: Any) -> None:
 
 def policy_from_dict(spec: dict[str, Any] | str) -> Policy:
     """Build a policy from ``{"name": "Quest", "budget": 512}`` or from a string spec, ``"Quest"`` or
-    ``"Quest(budget=512)"`` (read by :func:`kvpass.cli.parse_policy`)."""
+    ``"Quest(budget=512)"`` (read by :func:`kvpass.policies.parse.parse_policy`)."""
     if isinstance(spec, str):
-        from kvpass.cli import parse_policy
+        from kvpass.policies.parse import parse_policy
 
         return parse_policy(spec)
     if not isinstance(spec, dict):

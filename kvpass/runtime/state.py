@@ -395,7 +395,7 @@ class SiteState:
 class Runtime:
     """All site states of one backend. Compiled graphs reach it through ``handle``."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, key: str | None = None):
         self.policy = policy
         self.sites: dict[int, SiteState] = {}
         self.infos: dict[int, SiteInfo] = {}
@@ -405,7 +405,8 @@ class Runtime:
         # the storage of every stub base a site has handed out -> the site (graph outputs that are
         # stubs are tagged with their site's sequence by the backend)
         self.stub_sites: dict[int, int] = {}
-        self.handle = registry.register(self)
+        # key: what the graphs depend on (the backend passes policy and options); see registry
+        self.handle = registry.register(self, policy.key() if key is None else key)
 
     def info(self, site: int, layer: int | None = None) -> SiteInfo:
         if site not in self.infos:
@@ -469,7 +470,12 @@ class Runtime:
         with self._lock:
             stub = self.state(site).stubs.make(new, length, past)
             self.stub_sites[stub.untyped_storage().data_ptr()] = site
-            return stub
+        if past is None or new.shape[2] > 1:
+            # The next step decodes from this stub: its length is dynamic from that first decode on, so
+            # dynamo compiles one decode graph for every length instead of one for the prompt's length
+            # and another when it grows. Steady decode steps skip this (their graph is symbolic already).
+            torch._dynamo.maybe_mark_dynamic(stub, 2)
+        return stub
 
     def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""

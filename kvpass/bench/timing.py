@@ -1,0 +1,57 @@
+"""Timing a ``generate()``: shared by ``kvpass demo`` and the benchmark runner.
+
+:class:`Stamps` is a streamer that stamps ``time.perf_counter()`` as each new token comes out (the
+prefill is the time to the first one, decode ms/token ``(t_last - t_first) / (n - 1)``);
+:func:`generation_config` is greedy generation of exactly ``n`` tokens; :func:`answer_text` cuts the
+answer at ``<|im_end|>``.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["Stamps", "generation_config", "answer_text"]
+
+
+class Stamps:
+    """A ``BaseStreamer``: ``generate`` calls ``put`` with the prompt first, then with every new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def generation_config(model, new_tokens: int):
+    """A copy of ``model.generation_config`` for greedy decoding of exactly ``new_tokens`` tokens."""
+    import copy
+
+    gen = copy.deepcopy(model.generation_config)
+    gen.max_new_tokens = new_tokens
+    gen.min_new_tokens = None
+    gen.do_sample = False
+    gen.temperature = gen.top_p = gen.top_k = None
+    # Decode the same number of tokens with every policy: do not stop at <|im_end|> (the answer is cut
+    # there afterwards). An empty list, not None: generate() fills None from model.generation_config.
+    # Callers pass attention_mask: with pad (<|im_end|>) no longer an EOS token, generate() would
+    # otherwise infer a mask that hides the prompt's own <|im_end|> tokens as padding.
+    gen.eos_token_id = []
+    if gen.pad_token_id is None:
+        gen.pad_token_id = 0
+    return gen
+
+
+def answer_text(tokenizer, new_ids: list[int]) -> str:
+    """The text of ``new_ids`` up to the first ``<|im_end|>`` (the tokenizer's EOS if it has none)."""
+    end = tokenizer.get_vocab().get("<|im_end|>", tokenizer.eos_token_id)
+    if end in new_ids:
+        new_ids = new_ids[: new_ids.index(end)]
+    return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
