@@ -103,6 +103,7 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 def as_cache_stub(t: torch.Tensor, tag: tuple | None) -> CacheStub:
     with torch._C.DisableTorchFunctionSubclass():
         out = t.as_subclass(CacheStub)
+    out.__dict__.update(t.__dict__)  # what was set on the tensor (dynamo's dynamic-dimension marks)
     out._kvpass_tag = tag
     return out
 
