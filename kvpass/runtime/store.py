@@ -124,9 +124,8 @@ def eager_read_message(func, args, kwargs) -> str:
         "cache's keys and values in its runtime and the model's cache holds a stub, so an eager step "
         "would attend garbage. Dynamo ran this step without the kvpass graph: its recompile limit was "
         f"hit (torch._dynamo.config.recompile_limit = {limit}; it counts the graphs of every model and "
-        "backend compiled in this process, and a model needs 3 for prefill, first and later decode "
-        "steps), torch._dynamo.disable or a graph break covers attention, or a compiled model's cache "
-        "was passed to an uncompiled one. Fix: raise torch._dynamo.config.recompile_limit, call "
+        "backend compiled in this process; a generate needs 2 or 3 graphs), torch._dynamo.disable or "
+        "a graph break covers attention, or a compiled model's cache was passed to an uncompiled one. Fix: raise torch._dynamo.config.recompile_limit, call "
         "torch._dynamo.reset() between unrelated models, keep the cache with the model that made it, "
         "or pass own_cache=False to kvpass() (the model's cache then keeps real keys)"
     )
