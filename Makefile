@@ -6,7 +6,7 @@ TRANSFORMERS ?= 5.18.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpass-installed-$(TRANSFORMERS)
 
-.PHONY: demo tp-demo test test-fast explain bench-decode clean-venv
+.PHONY: demo tp-demo test test-all explain bench-decode clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,13 @@ tp-demo: $(STAMP)
 # one pytest worker per core (at most 2): most test time is single-threaded compilation
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 2 ] && n=2; echo $$n)
 
+# what CI runs: everything but the heavy matrix marked `slow` (under 20 minutes on 2 cores)
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(ARGS)
-
-test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal -m "not slow" $(ARGS)
+
+# everything, the `slow` matrix included
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(ARGS)
 
 explain: $(STAMP)
 	$(VENV)/bin/kvpass explain $(ARGS)

@@ -36,11 +36,16 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from a clean dynamo cache (recompile limits are per code object)."""
-    torch._dynamo.reset()
+def _fresh_dynamo(request):
+    """Each test compiles from a clean dynamo cache (recompile limits are per code object), except the
+    tests on the shared compiled SmolLM2 (``smollm2_compiled``): a reset would drop its graphs. A test
+    between two of them resets as usual; the next one then compiles again (slower, still correct)."""
+    keep = "smollm2_compiled" in request.fixturenames
+    if not keep:
+        torch._dynamo.reset()
     yield
-    torch._dynamo.reset()
+    if not keep:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +74,52 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class CompiledSmolLM2:
+    """The session's SmolLM2 through the README's path: ``torch.compile(model.forward,
+    backend=kvpass(Full(), strict=True))`` and ``model.generate``. The compiled forward is installed
+    only for the length of :meth:`generate`, so the other users of ``smollm2.model`` stay eager."""
+
+    def __init__(self, smollm2):
+        from kvpass import Full, kvpass
+        from kvpass.demo import build_prompt
+
+        self.model, self.tokenizer = smollm2.model, smollm2.tokenizer
+        self.backend = kvpass(Full(), strict=True)
+        self.forward = torch.compile(self.model.forward, backend=self.backend)
+        # one prompt for every test: another length would compile the prefill again (dynamic shapes)
+        text, _, _ = build_prompt(self.tokenizer, 256)
+        self.inputs = self.tokenizer(text, return_tensors="pt")
+        self.new_tokens = 10
+        self._eager = None
+
+    def _generate(self, **kw):
+        return self.model.generate(**self.inputs, max_new_tokens=self.new_tokens,
+                                   min_new_tokens=self.new_tokens, do_sample=False, **kw)
+
+    def eager(self) -> torch.Tensor:
+        """Greedy tokens of plain eager ``generate`` (prompt then new tokens), computed once."""
+        if self._eager is None:
+            self._eager = self._generate()
+        return self._eager
+
+    def generate(self, policy) -> tuple[torch.Tensor, list[dict]]:
+        """Greedy tokens through the compiled forward under ``policy`` (swapped in with ``set_policy``,
+        so it must share Full's ``graph_key()``; every site starts afresh), and the report rows."""
+        self.backend.set_policy(policy)
+        fwd = self.model.forward
+        self.model.forward = self.forward
+        try:
+            out = self._generate()
+        finally:
+            self.model.forward = fwd
+        return out, self.backend.report_rows()
+
+
+@pytest.fixture(scope="session")
+def smollm2_compiled(smollm2):
+    """SmolLM2 compiled with kvpass once per test process (each xdist worker), for the tests that run
+    the real model in the default run (tests/test_smollm2.py): see :class:`CompiledSmolLM2`. Tests
+    that use it keep dynamo's cache (``_fresh_dynamo``)."""
+    return CompiledSmolLM2(smollm2)

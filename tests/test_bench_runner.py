@@ -40,7 +40,7 @@ def test_split_specs_and_budget_sweep():
     ]
 
 
-@pytest.mark.slow  # needs the bundled SmolLM2 (its tokenizer)
+@pytest.mark.slow  # a sweep: six policies, two tasks, perplexity and the kernel benchmarks, then a rerun
 def test_bench_tiny_end_to_end(smollm2, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVPASS_CACHE", str(smollm2.cache_dir))
     out = tmp_path / "out"
@@ -148,7 +148,7 @@ def test_results_jsonl_ignores_a_torn_line(tmp_path):
     assert load_results(tmp_path / RESULTS) == [row]
 
 
-@pytest.mark.slow  # needs the bundled SmolLM2 (its tokenizer)
+@pytest.mark.slow  # calibration, a TailorKV compile and a rerun, the bench end to end again
 def test_bench_calibrates_tailorkv_once_and_reports_its_layers(smollm2, tmp_path, monkeypatch):
     monkeypatch.setenv("KVPASS_CACHE", str(smollm2.cache_dir))
     out = tmp_path / "out"

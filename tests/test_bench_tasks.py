@@ -308,7 +308,6 @@ def test_score_generated(task, haystack):
 # ------------------------------------------------------------------------------ real tokenizer
 
 
-@pytest.mark.slow
 def test_real_tokenizer(smollm2):
     tok = smollm2.tokenizer
     for task in all_tasks():

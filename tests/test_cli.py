@@ -1,7 +1,8 @@
 """The command line: policy specs, ``kvpass explain`` on the tiny model, ``kvpass demo --quick``.
 
 Everything runs in-process through ``kvpass.cli.main``. The explain tests compile the 2-layer random
-Llama (a few seconds each); the demo test loads SmolLM2 and is marked slow.
+Llama (a few seconds each); the demo test compiles SmolLM2 on its own and is marked slow
+(tests/test_smollm2.py runs the real model in the default run).
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def test_explain_dump_dir_falls_back_to_inductor_trace(tmp_path, capsys, monkeyp
 # -- demo --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # its own SmolLM2 load and compile (dynamic=True) and a 1k-token prompt
 def test_demo_quick(smollm2, monkeypatch, capsys):
     # The demo loads SmolLM2 from the default cache ($KVPASS_CACHE). Point it at the session's
     # temporary cache (conftest's ``smollm2`` fixture converts into it once per run and the other slow

@@ -104,7 +104,7 @@ def test_scheduled_events_are_declared(one_thread):
     assert 1 <= sum(s[2] for s in steps) <= 3
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a sweep of five policies on its own SmolLM2 compile (a hand-written decode loop)
 def test_steady_decode_on_smollm2(smollm2):
     """The same on SmolLM2 (30 sites, 3 KV heads), one compile for the policies that share a graph."""
     ids = smollm2.tokenizer("The history of the city. " * 40, return_tensors="pt")["input_ids"][:, :256]

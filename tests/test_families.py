@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# Each family compiles five graphs (about 10 s on 2 cores). `make test-fast` runs the baseline and the
+# Each family compiles five graphs (about 10 s on 2 cores). `make test` (CI) runs the baseline and the
 # families whose graphs differ most (sliding-window and global layers, fused QKV with a contiguous
-# copy, partial rotary built by a cat); `make test` (CI) runs every family.
+# copy, partial rotary built by a cat); `make test-all` runs every family.
 FAST = {"Llama", "Gemma3", "Phi3", "GPT-NeoX"}
 FAMILY_PARAMS = [
     pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow, id=f.name)

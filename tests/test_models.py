@@ -20,8 +20,7 @@ def _encode_question(tokenizer):
     return tokenizer(km.chat_prompt(tokenizer, QUESTION), return_tensors="pt")
 
 
-# ----------------------------------------------------------------------------------------- slow tests
-@pytest.mark.slow
+# ------------------------------------------------------------- on the converted model (conftest's smollm2)
 def test_reload_is_fast_and_gives_identical_logits(smollm2):
     start = time.perf_counter()
     model, tokenizer = km.load_smollm2(cache_dir=smollm2.cache_dir, progress=False)
@@ -38,7 +37,6 @@ def test_reload_is_fast_and_gives_identical_logits(smollm2):
     assert torch.equal(first, second)
 
 
-@pytest.mark.slow
 def test_greedy_answer_names_paris_and_stops_on_im_end(smollm2):
     tokenizer = smollm2.tokenizer
     enc = _encode_question(tokenizer)
@@ -53,7 +51,6 @@ def test_greedy_answer_names_paris_and_stops_on_im_end(smollm2):
     assert new[-1].item() == end_id or new.numel() == 12
 
 
-@pytest.mark.slow
 def test_model_and_tokenizer_setup(smollm2):
     model, tokenizer = smollm2.model, smollm2.tokenizer
     cfg = model.config
@@ -81,7 +78,6 @@ def test_model_and_tokenizer_setup(smollm2):
     assert tokenizer("Paris").input_ids[0] != start_id
 
 
-@pytest.mark.slow
 def test_dtype_and_attn_implementation_are_honoured(smollm2):
     model, _ = km.load_smollm2(
         dtype=torch.bfloat16, attn_implementation="eager", cache_dir=smollm2.cache_dir, progress=False
@@ -91,7 +87,6 @@ def test_dtype_and_attn_implementation_are_honoured(smollm2):
     assert not model.training
 
 
-@pytest.mark.slow
 def test_cache_dir_is_honoured(smollm2):
     import transformers
 
@@ -106,7 +101,6 @@ def test_cache_dir_is_honoured(smollm2):
     assert manifest["gguf_file"] == km.smollm2_gguf_path().name
 
 
-@pytest.mark.slow
 def test_cached_weights_are_the_dequantised_gguf_tensors(smollm2):
     import numpy as np
     from gguf import GGUFReader
@@ -126,7 +120,7 @@ def test_cached_weights_are_the_dequantised_gguf_tensors(smollm2):
         assert torch.equal(expected.reshape(param.shape), param.detach()), name
 
 
-# ----------------------------------------------------------------------------------------- fast tests
+# ------------------------------------------------------------------------------- without the model
 def test_missing_wheel_gives_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(km, "find_spec", lambda name, *args, **kwargs: None)
     with pytest.raises(RuntimeError, match=re.escape(MISSING_WHEEL)):
