@@ -1,6 +1,5 @@
 """Kernel micro-benchmarks (kvpass.bench.kernels): fields, positive times, like-for-like comparison."""
 
-import time
 
 import torch
 
@@ -15,9 +14,7 @@ KERNELS = {"sparse_decode_attention", "quest_page_scores", "centroid_decode_atte
 
 
 def test_quick_cpu_benchmark_rows():
-    start = time.perf_counter()
     rows = benchmark_kernels("cpu", quick=True)
-    assert time.perf_counter() - start < 30
     assert len(rows) == len(KERNELS) * len(QUICK_SHAPES)
     assert {r["kernel"] for r in rows} == KERNELS
     # one row per (kernel, shape)

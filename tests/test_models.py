@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,13 +20,13 @@ def _encode_question(tokenizer):
 
 
 # ------------------------------------------------------------- on the converted model (conftest's smollm2)
-def test_reload_is_fast_and_gives_identical_logits(smollm2):
-    start = time.perf_counter()
+def test_reload_reuses_the_conversion_and_gives_identical_logits(smollm2):
+    # structure, not a timing: the reload reads the converted cache and writes nothing (no conversion)
+    from pathlib import Path
+
+    files = {p: p.stat().st_mtime_ns for p in Path(smollm2.cache_dir).rglob("*") if p.is_file()}
     model, tokenizer = km.load_smollm2(cache_dir=smollm2.cache_dir, progress=False)
-    reload_s = time.perf_counter() - start
-    # Measured about 0.2-0.3 s against 15-20 s for the conversion; the bound leaves room for a busy CI.
-    assert reload_s < 5.0, f"reload took {reload_s:.1f} s (conversion: {smollm2.first_load_s:.1f} s)"
-    assert reload_s < smollm2.first_load_s
+    assert files and {p: p.stat().st_mtime_ns for p in Path(smollm2.cache_dir).rglob("*") if p.is_file()} == files
 
     enc = _encode_question(tokenizer)
     with torch.no_grad():
