@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class KVPassBackend:
         self._busy = threading.RLock()  # held while one of this backend's graphs runs (GuardedGraph)
         self._guards: list = []
         self._compile_saw = False  # torch.compile(..., backend=self) was called (it reads __name__)
+        self._watched: weakref.WeakSet = weakref.WeakSet()  # modules torch.compile wrapped with this backend
         self._off_warned = False
         self.eager_forwards = 0  # forwards of backend.compile()'s model that ran no kvpass graph
         self._pass = KVPassGraphPass(self)
@@ -62,7 +64,62 @@ class KVPassBackend:
         # torch.compile reads the backend's name when it wraps a model or function: the sign that
         # a compile was asked for, so that report() can say why nothing got compiled
         self._compile_saw = True
+        self._watch_compiled_module()
         return "kvpass"
+
+    def _watch_compiled_module(self) -> None:
+        """``torch.compile(model, backend=self)``: watch ``model`` for forwards that run no kvpass graph.
+
+        torch.compile wraps a module without changing it, so ``wrapper.generate()`` calls the original
+        module and compiles nothing. The module is a local of torch.compile's frame (the caller of
+        ``__name__``). A forward pre-hook and a forward hook on it count this backend's graph calls around
+        each forward; inside a compiled graph dynamo traces them as nothing. A forward that ran no graph
+        warns once, raises under ``strict`` and is counted in ``report()``. Functions
+        (``torch.compile(model.forward)``, ``model.compile()``) are not watched here: a module's forward
+        may be compiled by several backends in turn, and only the wrapper of :meth:`compile` knows its own."""
+        import sys
+
+        frame, target = sys._getframe(1), None
+        for _ in range(4):  # this property <- torch's compile wrapper <- torch.compile(model, ...)
+            frame = frame.f_back
+            if frame is None:
+                return
+            if frame.f_code.co_name == "compile" and frame.f_globals.get("__name__") == "torch":
+                target = frame.f_locals.get("model")
+                break
+        if not isinstance(target, torch.nn.Module) or target in self._watched:
+            return
+        self._watched.add(target)
+        backend = weakref.ref(self)
+        calls = threading.local()  # graph calls when this thread's forward began
+
+        def before(mod, args):
+            if torch.compiler.is_compiling():  # inside a compiled graph: traced as nothing
+                return
+            be = backend()
+            calls.n = be.graph_calls() if be is not None else None
+
+        def after(mod, args, out):
+            if torch.compiler.is_compiling():
+                return
+            be, n = backend(), getattr(calls, "n", None)
+            if be is not None and n is not None and be.graph_calls() == n:
+                be._eager_forward(type(mod).__name__, (
+                    "generate() on what torch.compile(model) returns calls the original module: compile with "
+                    "backend.compile(model), model.compile(backend=backend) or model.forward = "
+                    "torch.compile(model.forward, backend=backend); or dynamo ran it eagerly"))
+
+        target.register_forward_pre_hook(before)
+        target.register_forward_hook(after)
+
+    def _eager_forward(self, model: str, why: str) -> None:
+        self.eager_forwards += 1
+        self._compression_off(
+            f"a forward of {model} ran none of kvpass's graphs, so it attended the full cache: {why}. "
+            "Dynamo's recompile limit (torch._dynamo.config.recompile_limit = "
+            f"{torch._dynamo.config.recompile_limit}) counts the graphs of every model compiled in this "
+            "process; torch._dynamo.disable or suppressed compile errors also run a forward eagerly. Fix: "
+            "compile as above, raise the limit, or call torch._dynamo.reset() between unrelated models")
 
     # -- dynamo backend protocol -----------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
@@ -130,13 +187,7 @@ class KVPassBackend:
             before = self.graph_calls()
             out = compiled(*args, **kwargs)
             if self.graph_calls() == before:
-                self.eager_forwards += 1
-                self._compression_off(
-                    "a forward of the compiled model ran none of kvpass's graphs, so it attended the full "
-                    "cache. Dynamo ran it eagerly: its recompile limit (torch._dynamo.config.recompile_limit"
-                    f" = {torch._dynamo.config.recompile_limit}) counts the graphs of every model compiled "
-                    "in this process, or torch._dynamo.disable or suppressed compile errors cover it. Fix: "
-                    "raise the limit or call torch._dynamo.reset() between unrelated models")
+                self._eager_forward(type(model).__name__, "dynamo ran it eagerly")
             return out
 
         forward._kvpass_backend = self

@@ -105,6 +105,8 @@ def restore(key: str, backend: KVPassBackend) -> bool:
                                       row["pattern"].removesuffix(" (owned)"))
             if "estimate" in row:
                 info.estimate = row["estimate"]
+            if "heads" in row:
+                backend._heads[row["site"]] = row["heads"]
         backend._record_graph(kind, rows, unmatched)
         counters["kvpass"]["graphs_from_cache"] += 1
     return True

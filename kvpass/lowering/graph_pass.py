@@ -119,13 +119,16 @@ class KVPassGraphPass(CustomGraphPass):
         if m.own is not None and backend.own_cache:
             counters["kvpass"]["caches_owned"] += 1
         q_len = _val(m.q).shape[2]
-        return {
+        row = {
             "site": site,
             "layer": m.layer,
             "module": m.module_path,
             "pattern": m.pattern + (" (owned)" if m.own is not None and backend.own_cache else ""),
             "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
         }
+        if site in backend._heads:
+            row["heads"] = backend._heads[site]  # kept in the graph's record: a cache hit restores it
+        return row
 
     @staticmethod
     def _note_heads(backend: KVPassBackend, site: int, m: SiteMatch) -> None:
