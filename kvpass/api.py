@@ -74,9 +74,11 @@ class KVPassBackend:
         module and compiles nothing. The module is a local of torch.compile's frame (the caller of
         ``__name__``). A forward pre-hook and a forward hook on it count this backend's graph calls around
         each forward; inside a compiled graph dynamo traces them as nothing. A forward that ran no graph
-        warns once, raises under ``strict`` and is counted in ``report()``. Functions
-        (``torch.compile(model.forward)``, ``model.compile()``) are not watched here: a module's forward
-        may be compiled by several backends in turn, and only the wrapper of :meth:`compile` knows its own."""
+        warns once, raises under ``strict`` and is counted in ``report()``. ``model.compile()`` compiles
+        the module's ``_call_impl``, hooks included, so it is watched the same way.
+        ``torch.compile(model.forward)`` is not: its hooks run outside the compiled function, a module's
+        forward may be compiled by several backends in turn, and only :meth:`compile`'s wrapper knows its
+        own."""
         import sys
 
         frame, target = sys._getframe(1), None
@@ -87,6 +89,9 @@ class KVPassBackend:
             if frame.f_code.co_name == "compile" and frame.f_globals.get("__name__") == "torch":
                 target = frame.f_locals.get("model")
                 break
+        if getattr(target, "__name__", None) == "_call_impl" and isinstance(getattr(target, "__self__", None),
+                                                                           torch.nn.Module):
+            target = target.__self__  # model.compile(): hooks run inside the compiled call, like a module's
         if not isinstance(target, torch.nn.Module) or target in self._watched:
             return
         self._watched.add(target)
