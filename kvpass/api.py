@@ -157,7 +157,12 @@ class KVPassBackend:
 
         guarded = GuardedGraph(compiled, self.runtime, self._busy)
         self._guards.append(guarded)
-        return guarded
+
+        def kvpass_graph(*args):  # a function, as dynamo and its debug tools (depyf) expect
+            return guarded(*args)
+
+        kvpass_graph.guard = guarded
+        return kvpass_graph
 
     def compile(self, model: torch.nn.Module, **compile_options: Any) -> torch.nn.Module:
         """Compile ``model.forward`` with this backend, in place, and return ``model``.

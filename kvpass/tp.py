@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                         "graph only; default 0: none)")
     p.add_argument("--json", help="rank 0 writes every rank's results here")
     args = p.parse_args(argv)
-    from kvpass.cli import parse_policy
+    from kvpass.policies.parse import parse_policy
 
     args.policies = [parse_policy(spec) for spec in args.policy or ["Full()"]]  # a bad spec fails at once
     if args.model == "tiny" and not args.dir:

@@ -174,7 +174,8 @@ def test_explain_tiny(capsys):
     assert main(["explain"]) == 0
     out = capsys.readouterr().out
     assert "tiny random Llama" in out and "DynamicCache" in out
-    assert [k for k, _ in _graphs(out)] == ["prefill", "decode", "decode"]  # dynamo: 3 compiles
+    # dynamo: 2 compiles (the stubs are marked dynamic after the prefill, so the first decode is symbolic)
+    assert [k for k, _ in _graphs(out)] == ["prefill", "decode"]
     assert "[P3 prefill" in out and "[P1 cat" in out  # pattern names may carry suffixes
     _assert_every_layer_rewritten(out)
 
