@@ -468,8 +468,12 @@ class Runtime:
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
         with self._lock:
-            stub = self.state(site).stubs.make(new, length, past)
-            self.stub_sites[stub.untyped_storage().data_ptr()] = site
+            stubs = self.state(site).stubs
+            stub = stubs.make(new, length, past)
+            if stubs.new_bases:  # bases are made once per shape: a steady step registers nothing
+                for base in stubs.new_bases:
+                    self.stub_sites[base.untyped_storage().data_ptr()] = site
+                stubs.new_bases.clear()
         if past is None or new.shape[2] > 1:
             # The next step decodes from this stub: its length is dynamic from that first decode on, so
             # dynamo compiles one decode graph for every length instead of one for the prompt's length

@@ -143,6 +143,7 @@ class StubRows:
 
     def __init__(self) -> None:
         self.bases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.new_bases: list[torch.Tensor] = []  # made since the owner last read them (Runtime.stub)
 
     def make(self, new: torch.Tensor, length: int, past: torch.Tensor | None = None) -> torch.Tensor:
         b, h, _, d = new.shape
@@ -151,6 +152,7 @@ class StubRows:
         if pair is None:
             pair = self.bases[key] = (_row_base(b, h, d, new.dtype, new.device),
                                       _row_base(b, h, d, new.dtype, new.device))
+            self.new_bases.extend(pair)
             if len(self.bases) > 4:  # a few shapes (k, v; a batch size change): drop the oldest
                 self.bases.pop(next(iter(self.bases)))
         taken = past is not None and past.untyped_storage().data_ptr() == pair[0].untyped_storage().data_ptr()
