@@ -314,13 +314,3 @@ def test_offload_inserts_fetch_ops_and_generates_the_same_tokens():
     with pytest.raises(KVPassError, match="own the cache"):
         generate(model, ids, new_tokens=2, backend=kvpass(ClusterKV(**kw, offload=True)),
                  cache_implementation="static")
-
-
-def test_left_padding_refused_clearly():
-    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
-    ids = torch.cat([torch.zeros(1, 8, dtype=torch.long), prompt(40)], 1).repeat(2, 1)
-    mask = torch.ones_like(ids)
-    mask[0, :8] = 0
-    with pytest.raises(KVPassError, match="left-padded"):
-        generate(model, ids, new_tokens=2, backend=kvpass(ClusterKV(budget=32, sinks=4, dense_layers=())),
-                 attention_mask=mask)

@@ -12,6 +12,7 @@ from tiny import prompt, tiny_llama
 
 from kvpass import (CentroidKV, ClusterKV, Full, Quest, StreamingLLM, TailorKV, kvpass)
 from kvpass.bench.syncs import OpLog
+from kvpass.runtime.state import SiteInfo
 
 STEPS = 16
 # ops that only make views (no kernel): `t[:, :n]` is a slice or, when n is the whole dim, an alias
@@ -31,25 +32,30 @@ TINY_POLICIES = [
 
 
 def _events(backend) -> int:
-    return sum(st.events for st in backend.runtime.sites.values())
+    return sum(st.all_events() for st in backend.runtime.sites.values())
 
 
-def decode_log(model, policy, ids, steps=STEPS, backend=None):
-    """Prefill ``ids``, 3 warm-up decode steps (recompiles), then ``steps`` logged steps of the compiled
-    forward: a list of (op names but views, syncing op names, scheduled event ran) per step."""
+def decode_log(model, policy, ids, steps=STEPS, backend=None, mask=None):
+    """Prefill ``ids`` (``mask``: its attention mask, for a padded batch), 3 warm-up decode steps
+    (recompiles), then ``steps`` logged steps of the compiled forward: a list of (op names but views,
+    syncing op names, scheduled event ran) per step."""
     from transformers import DynamicCache
 
     backend = backend or kvpass(policy)
     fwd = torch.compile(model.forward, backend=backend)
     cache = DynamicCache(config=model.config)
     out = []
+    kw = {} if mask is None else {"attention_mask": mask}
     with torch.no_grad():
-        res = fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        res = fwd(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
         tok = res.logits[:, -1:].argmax(-1)
         for i in range(3 + steps):
             log, before = OpLog(), _events(backend)
+            if mask is not None:  # generate() extends the mask with ones
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
+                kw = {"attention_mask": mask}
             with log:
-                res = fwd(input_ids=tok, past_key_values=cache, use_cache=True)
+                res = fwd(input_ids=tok, past_key_values=cache, use_cache=True, **kw)
             tok = res.logits[:, -1:].argmax(-1)
             if i >= 3:
                 ops = tuple(op for op in log.ops if op not in VIEW_OPS)
@@ -73,6 +79,18 @@ def test_steady_decode_step_is_sync_free_and_fixed(policy, one_thread):
     model = tiny_llama()
     steps = decode_log(model, policy, prompt(48, batch=3))
     check_steady(steps, policy.describe())
+
+
+@pytest.mark.parametrize("policy", [p for p in TINY_POLICIES if not p.new_state(SiteInfo(0, 0)).rows_native][:4],
+                         ids=lambda p: p.describe())
+def test_padded_batch_decode_step_is_sync_free_and_fixed(policy, one_thread):
+    """A left-padded batch (served row by row, kvpass/runtime/rows.py) keeps steady steps sync-free and
+    fixed: the rows' first positions are read where the sequence starts, not per step."""
+    from families import left_padded
+
+    ids, mask = left_padded([prompt(48, seed=2)[0], prompt(37, seed=3)[0]])
+    steps = decode_log(tiny_llama(), policy, ids, mask=mask)
+    check_steady(steps, policy.describe() + " (padded)")
 
 
 def test_op_log_sees_syncs_inside_kvpass_ops(one_thread):

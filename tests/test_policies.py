@@ -147,13 +147,3 @@ def test_left_padded_batch_streaming_rows_equal_running_alone():
         torch._dynamo.reset()
         alone = generate(model, r[None], new_tokens=5, backend=kvpass(policy, strict=True))
         assert torch.equal(out[i, -5:], alone[0, -5:]), i
-
-
-def test_left_padded_batch_quest_refuses_clearly():
-    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
-    ids = torch.cat([torch.zeros(1, 8, dtype=torch.long), prompt(40)], 1).repeat(2, 1)
-    ids[1, :8] = prompt(8, seed=9)
-    mask = torch.ones_like(ids)
-    mask[0, :8] = 0
-    with pytest.raises(KVPassError, match="left-padded"):
-        generate(model, ids, new_tokens=2, backend=kvpass(Quest(budget=32, page_size=8)), attention_mask=mask)

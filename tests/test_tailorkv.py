@@ -349,12 +349,6 @@ def test_second_turn_chunk_continues_the_cache():
 def test_refusals_name_the_fix():
     m = tiny_llama(layers=2)
     ids = prompt(40)
-    with pytest.raises(Exception, match="TailorKV does not support left-padded"):
-        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:, 3:]], 1)
-        mask = torch.ones_like(padded)
-        mask[:, :3] = 0
-        generate(m, torch.cat([padded, ids]), new_tokens=2, backend=kvpass(TailorKV()),
-                 attention_mask=torch.cat([mask, torch.ones_like(ids)]))
     with pytest.raises(Exception, match="needs the runtime to own the cache|StaticCache"):
         generate(m, ids, new_tokens=2, backend=kvpass(TailorKV()), cache_implementation="static")
     with pytest.raises(Exception, match="beam search"):

@@ -113,6 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps dropped per cell before timing (default %(default)s)")
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
+    t = p.add_argument_group("throughput", "kvpass bench --throughput: tokens/s and bytes per row of left-padded "
+                                           "batches of mixed lengths, each policy against Full in the same run "
+                                           "(kvpass.bench.throughput); --batches (default 1,4,8,16), --policies, "
+                                           "--steps, --threads, --out, --results-md, --model and --quick apply too")
+    t.add_argument("--throughput", action="store_true",
+                   help="measure padded-batch throughput instead of running the accuracy grid (rows in "
+                        "OUT/throughput.jsonl)")
+    t.add_argument("--lengths", default=None, metavar="LO-HI",
+                   help="prompt lengths of a batch, spread evenly over LO-HI (default 2048-8192; --quick: 1024-2048)")
     c = p.add_argument_group("compile time", "kvpass bench --compile-time: seconds from torch.compile to the last "
                                              "of --new-tokens tokens (default 8) after a --contexts prompt "
                                              "(default 64) in fresh processes, cold and warm, plain Inductor and "
@@ -259,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
         from kvpass.bench.compile_time import run as run_compile_time
 
         return run_compile_time(args)
+    if getattr(args, "throughput", False):
+        from kvpass.bench.throughput import run as run_throughput
+
+        return run_throughput(args)
     if getattr(args, "decode_cost", False):
         from kvpass.bench.decode_cost import run as run_decode_cost
 

@@ -29,6 +29,7 @@ def _grow(buf: torch.Tensor | None, like: torch.Tensor, live: int, need: int, sl
 
 class CentroidState(SiteState):
     SLACK = 64
+    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
 
     def reset(self) -> None:
         super().reset()
@@ -269,11 +270,6 @@ class CentroidState(SiteState):
         t0 = time.perf_counter()
         t = k_new.shape[2]
         past = 0 if past_k is None else past_k.shape[2]
-        if self.pad.valid(attn_mask, past + t, event=not past or t > 1 or self.logical != past) is not None:
-            raise KVPassError(
-                "kvpass: CentroidKV does not support left-padded batches (padding would be merged with real "
-                "tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
-            )
         rows = self.stubs.rows(past_k) if past else None
         if past and rows is None:
             # a real cache filled outside kvpass (eager prefill): adopt it as this sequence's prompt

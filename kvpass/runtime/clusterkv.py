@@ -144,6 +144,8 @@ class DeviceTier:
 
 
 class ClusterState(SiteState):
+    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
         if policy.offload and not self.dense:
@@ -213,11 +215,6 @@ class ClusterState(SiteState):
     def observe(self, call: AttentionCall) -> None:
         if self.dense:
             return
-        if call.valid is not None:
-            raise KVPassError(
-                "kvpass: ClusterKV does not support left-padded batches (padding would be clustered with "
-                "real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
-            )
         p, length = self.policy, call.length
         if call.start == 0:
             self.tail = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.runtime.state import AttentionCall, KVPassError, SiteState
+from kvpass.runtime.state import AttentionCall, SiteState
 
 
 class StreamingState(SiteState):
@@ -44,6 +44,8 @@ class QuestState(SiteState):
     ``sum_d max(q_d max_d, q_d min_d) = relu(q)·max + min(q, 0)·min`` is one product with
     ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata)."""
 
+    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+
     def reset(self) -> None:
         super().reset()
         self.meta: torch.Tensor | None = None
@@ -66,11 +68,6 @@ class QuestState(SiteState):
     def observe(self, call: AttentionCall) -> None:
         from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
 
-        if call.valid is not None:
-            raise KVPassError(
-                "kvpass: Quest does not support left-padded batches (its pages would straddle padding "
-                "and real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
-            )
         ps, d = self.policy.page_size, call.k.shape[3]
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)

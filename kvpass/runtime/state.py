@@ -200,7 +200,12 @@ class SiteState:
     """State of one attention site. The base class is the Full policy: exact attention, no metadata.
 
     Subclasses override :meth:`observe` (fold the new tokens into metadata) and :meth:`select` (the
-    token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all)."""
+    token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all).
+
+    A state whose metadata cannot hold left padding per row sets ``rows_native = False``: the runtime
+    then serves a padded batch with one state per row (:mod:`kvpass.runtime.rows`)."""
+
+    rows_native = True  # serves a left-padded batch itself (exact attention and StreamingLLM mask padding)
 
     def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
         from kvpass.runtime.store import OwnedKV, StubRows
@@ -225,10 +230,58 @@ class SiteState:
         self.static_ptr = 0  # the storage of the static cache this sequence runs on (0: none)
         self.reset()
 
+    # -- the runtime's entry points: the policy's own step, or one state per row of a padded batch --
+    def run_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
+        if self.rows_native:
+            return self.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+        from kvpass.runtime import rows
+
+        return rows.run_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+
+    def run(self, call: AttentionCall, static: bool) -> torch.Tensor:
+        if self.rows_native:
+            return self.forward(call, static=static)
+        from kvpass.runtime import rows
+
+        return rows.run(self, call, static)
+
+    def run_fetch(self, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
+        past = 0 if past_k is None else past_k.shape[2]
+        if not self._split_continues(past_k, past):
+            return self.fetch(q, past)
+        self.split.fetch(q, past)
+        return torch.full((1,), self.steps, dtype=torch.int64, device=q.device)
+
+    def run_prefetch(self, q_hat: torch.Tensor, past_k: torch.Tensor | None, estimated: bool) -> torch.Tensor:
+        past = 0 if past_k is None else past_k.shape[2]
+        if not self._split_continues(past_k, past):
+            return self.prefetch(q_hat, past, estimated)
+        self.split.prefetch(q_hat, past, estimated)
+        return torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
+
+    def _split_continues(self, past_k: torch.Tensor | None, past: int) -> bool:
+        """Whether this step (seen by a fetch or prefetch, before the attention) continues the padded
+        batch served row by row; a reorder of its stub (beam search) is applied here, before the fetch. A
+        new sequence or an adopted cache goes to this state's own hook (the attention starts the rows)."""
+        split = self.split
+        if split is None or not past or past != split.length:
+            return False
+        if not self.stubs.is_own(past_k):
+            rows = self.stubs.rows(past_k)
+            if rows is None:
+                return False
+            split.reorder(rows, past)
+        return True
+
+    def all_events(self) -> int:
+        """Scheduled events of this site, its per-row states included."""
+        return self.events + (self.split.events() if self.split is not None else 0)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def reset(self) -> None:
         """A new sequence starts (a forward on an empty cache)."""
         self.epoch += 1
+        self.split = None  # the per-row states of a left-padded batch (kvpass.runtime.rows), if any
         self.length = 0
         self.physical = 0
         self.kv_bytes = 0
@@ -372,6 +425,10 @@ class SiteState:
         return max(self.attended, 0)
 
     def row(self) -> dict[str, Any]:
+        base = self._row()
+        return base if self.split is None else self.split.row(base)
+
+    def _row(self) -> dict[str, Any]:
         return {
             "site": self.info.site,
             "layer": self.info.layer,
@@ -445,7 +502,7 @@ class Runtime:
             length = min(length, int(cache_position[-1].item()) + 1)
         call = _make_call(q, k, v, attn_mask, scale, is_causal, length)
         with self._lock:
-            return self.state(site).forward(call, static=cache_position is not None)
+            return self.state(site).run(call, static=cache_position is not None)
 
     def attend_owned(
         self,
@@ -463,7 +520,7 @@ class Runtime:
         """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
         with self._lock:
-            return self.state(site).forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
+            return self.state(site).run_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
 
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
@@ -484,14 +541,12 @@ class Runtime:
     def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""
         with self._lock:
-            past = 0 if past_k is None else past_k.shape[2]
-            return self.state(site).fetch(q, past)
+            return self.state(site).run_fetch(q, past_k)
 
     def prefetch(self, site: int, q_hat: torch.Tensor, past_k: torch.Tensor | None, estimated: bool) -> torch.Tensor:
         """The ``kvpass::prefetch`` op: the site prepares its next fetch from an estimated query."""
         with self._lock:
-            past = 0 if past_k is None else past_k.shape[2]
-            return self.state(site).prefetch(q_hat, past, estimated)
+            return self.state(site).run_prefetch(q_hat, past_k, estimated)
 
     def reset(self) -> None:
         with self._lock:

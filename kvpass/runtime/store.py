@@ -158,16 +158,19 @@ class StubRows:
         taken = past is not None and past.untyped_storage().data_ptr() == pair[0].untyped_storage().data_ptr()
         return make_stub(new, length, pair[1] if taken else pair[0])
 
-    def rows(self, t: torch.Tensor) -> torch.Tensor | str | None:
-        """:data:`SAME` for this site's stub in order, else :func:`stub_rows` of ``t``."""
+    def is_own(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is this site's stub, in order (metadata only: no read)."""
         if t.dim() == 4 and t.shape[2] > 0 and t.stride(2) == 0 and t.storage_offset() == 0:
             b, h, _, d = t.shape
             pair = self.bases.get((b, h, d, t.dtype, t.device))
             if pair is not None and t.stride() == (h * d, d, 0, 1):
                 ptr = t.untyped_storage().data_ptr()
-                if ptr in (pair[0].untyped_storage().data_ptr(), pair[1].untyped_storage().data_ptr()):
-                    return SAME
-        return stub_rows(t)
+                return ptr in (pair[0].untyped_storage().data_ptr(), pair[1].untyped_storage().data_ptr())
+        return False
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor | str | None:
+        """:data:`SAME` for this site's stub in order, else :func:`stub_rows` of ``t``."""
+        return SAME if self.is_own(t) else stub_rows(t)
 
 
 def stub_rows(t: torch.Tensor) -> torch.Tensor | None:

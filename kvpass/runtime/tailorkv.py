@@ -125,6 +125,8 @@ class PackedCache:
 
 
 class TailorState(SiteState):
+    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
         from kvpass.runtime.store import OwnedKV

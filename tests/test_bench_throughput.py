@@ -1,0 +1,65 @@
+"""``kvpass bench --throughput`` on the tiny random Llama (structure only: the times mean nothing).
+
+One run of Full, Quest and CentroidKV at batches 1 and 3 (prompts of 40 to 90 tokens, left-padded): the
+rows, the agreement with Full (Full equals itself; a covering budget equals Full), the per-row bytes of a
+padded batch (each row's own, summing to the site total) and the page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpass import CentroidKV, Quest
+from kvpass.bench import throughput as tp
+from kvpass.bench.cli import tiny_model
+from kvpass.bench.runner import load_results
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from kvpass.models import load_smollm2
+
+    _, tok = load_smollm2(progress=False)
+    model = tiny_model(len(tok))
+    out = tmp_path_factory.mktemp("tput")
+    policies = [Quest(budget=512, page_size=16), Quest(budget=32, page_size=8), CentroidKV(cache_ratio=0.5)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = tp.run_throughput(model, tok, policies, [1, 3], 40, 90, out, threads=[1], steps=3, warmup_steps=2,
+                                 model_name="tiny", command="kvpass bench --throughput --model tiny",
+                                 progress=False)
+    finally:
+        torch.set_num_threads(n)
+    return out, rows
+
+
+def test_rows_agreement_and_bytes(run):
+    out, rows = run
+    assert load_results(out / tp.RESULTS) == rows
+    assert {(r["policy"], r["batch"]) for r in rows} == {
+        (p, b) for p in ("Full()", Quest(budget=512, page_size=16).describe(), Quest(budget=32, page_size=8).describe(),
+                         CentroidKV(cache_ratio=0.5).describe()) for b in (1, 3)}
+    by = {(r["policy"], r["batch"]): r for r in rows}
+    assert by["Full()", 3]["lengths"] == [40, 65, 90] and by["Full()", 1]["lengths"] == [65]
+    for b in (1, 3):
+        assert by["Full()", b]["agreement_with_full"] == [1.0] * b
+        # a budget covering every row attends exactly: its tokens are Full's
+        assert by[Quest(budget=512, page_size=16).describe(), b]["agreement_with_full"] == [1.0] * b
+        assert all(r["graphs_compiled_timed"] == 0 for r in rows)
+    small = by[Quest(budget=32, page_size=8).describe(), 3]
+    per_row = small["device_bytes_per_row"]
+    assert sum(per_row) == small["device_bytes"]  # each padded row reports its own bytes
+    assert per_row[0] < per_row[2], "the shorter prompt holds fewer bytes"
+    full = by["Full()", 3]
+    assert full["device_bytes_per_row"] == [full["device_bytes"] // 3] * 3  # batched: the batch's share
+    assert all(r["tokens_per_s"] > 0 and r["x_full"] for r in rows)
+
+
+def test_page(run, tmp_path):
+    _, rows = run
+    page = tp.write_page(rows, tmp_path / "throughput.md", "kvpass bench --throughput --model tiny")
+    text = page.read_text()
+    assert "kvpass bench --throughput --model tiny" in text and "| Quest" in text
+    assert (tmp_path / "throughput" / "throughput_1t.png").stat().st_size > 0
