@@ -230,3 +230,44 @@ def test_padded_batch_of_real_prompts_on_smollm2(smollm2):
         torch._dynamo.reset()
     print(f"SmolLM2 padded batch: {agree}/{total} tokens equal the rows alone")
     assert agree >= 0.99 * total, f"{agree}/{total} tokens agree"
+
+
+def _drive(policy, prefill_k, prefill_v, prefill_q, steps, reorder_at=None, rows=None):
+    """One owned site driven by hand: a prefill, then decode steps ``[(q, k, v)]``; at step ``reorder_at``
+    the model's stub comes back reordered by ``rows`` (what beam search's ``index_select`` does). Returns
+    the outputs and selections of every step."""
+    from kvpass.runtime import Runtime
+
+    rt = Runtime(policy)
+    rt.attend_owned(0, prefill_q, prefill_k, prefill_v, None, None, None, 0.0, True)
+    length, outs = prefill_k.shape[2], []
+    for i, (q, k, v) in enumerate(steps):
+        stub = rt.stub(0, k, length, None)
+        if i == reorder_at:
+            stub = stub.index_select(0, rows)
+        out = rt.attend_owned(0, q, k, v, stub, stub, None, 0.0, False)
+        st = rt.state(0)
+        outs.append((out, None if st.last_idx is None else st.last_idx.clone()))
+        length += 1
+    return outs
+
+
+@pytest.mark.parametrize("name", ["Quest", "ClusterKV", "CentroidKV"])
+def test_a_reordered_batch_continues_as_each_rows_own_history(name):
+    """Beam search reorders the rows between steps: the site (its keys and every per-row metadata) then
+    answers as the same site without the reorder whose rows were fed the reordered rows' inputs: row j
+    after the reorder is old row ``rows[j]`` continued."""
+    torch.manual_seed(0)
+    policy = SMALL[name]
+    b, hkv, g, d, n = 2, 2, 2, 16, 40
+    k, v, q = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv * g, n, d)
+    steps = [(torch.randn(b, hkv * g, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d))
+             for _ in range(12)]
+    at, rows = 5, torch.tensor([1, 0])  # a permutation that is its own inverse
+    got = _drive(policy, k, v, q, steps, reorder_at=at, rows=rows)
+    ref_steps = [s if i < at else tuple(x[rows] for x in s) for i, s in enumerate(steps)]
+    ref = _drive(policy, k, v, q, ref_steps)
+    for i in range(at, len(steps)):
+        torch.testing.assert_close(got[i][0], ref[i][0][rows], atol=1e-6, rtol=1e-6)
+        if got[i][1] is not None or ref[i][1] is not None:
+            assert torch.equal(got[i][1], ref[i][1][rows]), f"{name}, step {i}: selection differs"

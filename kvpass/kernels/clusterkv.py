@@ -406,8 +406,8 @@ def cosine_kmeans(
         keys: ``(B, H, N, D)`` fp16/bf16/fp32, any strides, ``N >= 1``.
         num_clusters: C, ``1 <= C <= N``.
         max_iters: at most this many assignment steps (>= 1).
-        seed: seeds the ``torch.Generator`` (on the keys' device) that draws, per ``(b, h)``, C
-            distinct token positions whose unit keys are the initial directions.
+        seed: seeds the ``torch.Generator`` (on the keys' device) that draws, per KV head, C distinct
+            token positions (the same for every batch row) whose unit keys are the initial directions.
         use_triton: run :func:`kmeans_assign` / :func:`centroid_update` (else their references).
 
     Each iteration assigns every token to its most similar direction, stops when the labels did not
@@ -442,8 +442,10 @@ def cosine_kmeans(
 
     gen = torch.Generator(device=dev)
     gen.manual_seed(int(seed))
-    # C distinct positions per (b, h): the top C of N uniform draws (a random C-subset).
-    init = torch.rand((B, H, N), generator=gen, device=dev).topk(C, dim=-1).indices
+    # C distinct positions per head: the top C of N uniform draws (a random C-subset), the same for
+    # every batch row, so that a row's clusters do not depend on its place in the batch (a beam
+    # reorder, a row served alone); a batch of one draws exactly what it drew before
+    init = torch.rand((1, H, N), generator=gen, device=dev).topk(C, dim=-1).indices.expand(B, -1, -1)
     directions = _unit(torch.gather(keys, 2, init[..., None].expand(B, H, C, D)))
 
     objective: list[float] = []

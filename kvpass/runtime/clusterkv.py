@@ -193,6 +193,13 @@ class ClusterState(SiteState):
             return out
         return super().forward(call, owned, static)
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        super().reorder_rows(rows)
+        for name in ("centroids", "sizes", "order"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows.to(t.device)))
+
     # -- clustering ------------------------------------------------------------------------------
     def _cluster(self, keys: torch.Tensor, start: int, clusters: int) -> None:
         """Cluster ``keys (B, H_kv, n, D)`` (positions ``start ..``) and append the clusters."""
@@ -304,6 +311,13 @@ class ClusterState(SiteState):
         if not self.offloading:
             return super().forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
         rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)  # the host tier
+        if self.store.reordered is not None:
+            # this step's fetch planned and copied for the old row order, before the attention saw the
+            # reordered stub: the device tier cannot follow without a second fetch
+            raise KVPassError(
+                "kvpass: ClusterKV(offload=True) does not follow a batch reordered between steps (beam "
+                "search): use ClusterKV(offload=False), which follows it, or num_beams=1"
+            )
         hk, hv = self.store.views()
         length, t, dev = hk.shape[2], k_new.shape[2], q.device
         new_k, new_v = k_new, v_new

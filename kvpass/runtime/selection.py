@@ -88,6 +88,12 @@ class QuestState(SiteState):
         else:
             quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        super().reorder_rows(rows)
+        if self.meta is not None:
+            self.meta = self.meta.index_select(0, rows.to(self.meta.device))
+        self.pages = None  # made again at the next selection
+
     def page_scores(self, call: AttentionCall, pages: int) -> torch.Tensor:
         """(B, H_kv, pages) upper bounds of the query group's q·k per page."""
         b, h_kv, _, d = call.k.shape

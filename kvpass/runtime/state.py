@@ -300,6 +300,7 @@ class SiteState:
         :attr:`store`, then :meth:`forward`. Policies that keep a different physical cache override it."""
         with _range("kvpass.bookkeeping"):
             rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)
+            self._follow_reorder()
         k, v = self.store.views()
         length = k.shape[2]
         start = 0 if rebuilt else length - k_new.shape[2]
@@ -380,6 +381,18 @@ class SiteState:
             call.q[:, :, 0], call.k_logical, call.v_logical, idx, call.padding_bias(), call.scale
         )
         return out.unsqueeze(2)
+
+    def _follow_reorder(self) -> None:
+        rows = self.store.reordered
+        if rows is not None:
+            self.store.reordered = None
+            self.reorder_rows(rows)
+
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Beam search reordered or expanded the batch (``rows (B',)``: new row i is old row ``rows[i]``),
+        and the store followed: the per-row metadata follows too (policies with metadata extend this)."""
+        if self.pad.first is not None and self.pad.first.shape[0] > 1:
+            self.pad.first = self.pad.first.index_select(0, rows.to(self.pad.first.device))
 
     def fetch(self, q: torch.Tensor, past: int) -> torch.Tensor:
         """Before the attention of a step with ``past`` cached tokens: fetch from the host tier

@@ -238,6 +238,7 @@ class OwnedKV:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
+        self.reordered: torch.Tensor | None = None  # rows of the last append's reorder (the owner's metadata follows)
         # host=True: the buffers live in CPU memory (pinned when CUDA is present) whatever device the
         # model runs on: the host tier of an offloading policy
         self.host = host
@@ -310,6 +311,7 @@ class OwnedKV:
             if rows is not SAME and self.reorder_needed(rows):
                 self.k = self.k.index_select(0, rows)
                 self.v = self.v.index_select(0, rows)
+                self.reordered = rows
             if past < self.length:  # cropped (assisted decoding rolled back)
                 self.length = past
                 rebuilt = True
