@@ -340,7 +340,7 @@ class KVPassBackend:
             return head + "\n  no attention site found yet (has the compiled model run?)"
         heads = ["heads"] if any("heads" in r for r in rows) else []  # tensor parallelism only
         cols = ["layer", *heads, "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
-                "device_bytes", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
+                "device_bytes", "device_bytes_per_row", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
         table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         lines = [head] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]

@@ -90,6 +90,7 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_model, name):
     out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
     batch_rows = be.report_rows()
     assert all(len(r["rows"]) == 3 for r in batch_rows), "every site reports each batch row"
+    assert all(r["device_bytes_per_row"] == max(x["device_bytes"] for x in r["rows"]) for r in batch_rows)
     compressing = 0
     for i, r in enumerate(rows):
         be.set_policy(policy)  # fresh site states, as the batch's rows had (buffer capacities included)
@@ -271,3 +272,18 @@ def test_a_reordered_batch_continues_as_each_rows_own_history(name):
         torch.testing.assert_close(got[i][0], ref[i][0][rows], atol=1e-6, rtol=1e-6)
         if got[i][1] is not None or ref[i][1] is not None:
             assert torch.equal(got[i][1], ref[i][1][rows]), f"{name}, step {i}: selection differs"
+
+
+def test_beam_search_on_a_model_kept_cache_is_refused_with_the_fix(padded_model):
+    """``own_cache=False``: generate() reorders the model's cache without the runtime seeing it, and
+    Quest's page bounds would then score other beams' keys; the runtime notices on the device (the last
+    step's newest key moved) and raises, naming the fix."""
+    model = padded_model
+    be = kvpass(Quest(budget=16, page_size=4), own_cache=False, strict=True)
+    f0 = model.forward
+    model.forward = torch.compile(f0, backend=be)
+    try:
+        with pytest.raises(KVPassError, match="own_cache=True"):
+            model.generate(prompt(40, seed=3), max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
+    finally:
+        model.forward = f0

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpass.runtime.state import AttentionCall, KVPassError, _make_call, valid_from_mask
+from kvpass.runtime.state import AttentionCall, KVPassError, _make_call, check_rows_kept, valid_from_mask
 from kvpass.runtime.store import SAME
 
 if TYPE_CHECKING:
@@ -202,6 +202,7 @@ class RowSplit:
             out[key] = round(sum(r[key] for r in rows) / n)
         for key in ("device_bytes", "host_bytes", "bytes_moved", "overhead_prefill_s", "overhead_decode_s"):
             out[key] = sum(r[key] for r in rows)
+        out["device_bytes_per_row"] = max(r["device_bytes"] for r in rows)
         out["rows"] = [{"first": f, "tokens": r["tokens_logical"], "tokens_held": r["tokens_held"],
                         "tokens_attended": r["tokens_attended"], "device_bytes": r["device_bytes"],
                         "host_bytes": r["host_bytes"]} for f, r in zip(self.first, rows)]
@@ -250,12 +251,14 @@ def run(st: SiteState, call: AttentionCall, static: bool) -> torch.Tensor:
     """:meth:`Runtime.attend` (the model keeps the cache) for a state that does not serve padding itself."""
     split = st.split
     if split is not None and call.past == split.length and call.past:
+        check_rows_kept(st, call)  # the row states cannot see a reorder of the model's cache
         return split.forward(call, static)
     valid = valid_from_mask(call.attn_mask, call.length)
     if valid is None:
         st.split = None
         return st.forward(call, static=static)
     _start(st, _first_positions(valid, call.q.shape[0], "in its first forward"), call.past)
+    st.tail_key = call.k[:, :, call.length - 1].clone()
     return st.split.forward(call, static)
 
 

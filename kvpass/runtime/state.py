@@ -188,6 +188,28 @@ def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor
     )
 
 
+def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
+    """A cache the model keeps (``own_cache=False``, StaticCache) is reordered by the caller between steps
+    (beam search) without the runtime seeing it, and per-row metadata would then score other rows' keys.
+    The last step's newest key must still be in each row: checked on the device (``_assert_async``, no
+    host sync on CUDA; on CPU a failed check raises at once)."""
+    k = call.k
+    prev = st.tail_key
+    if prev is not None and prev.shape[0] > 1 and prev.shape[0] == k.shape[0] and 0 < call.past <= k.shape[2]:
+        try:
+            torch._assert_async((k[:, :, call.past - 1] == prev).all(), REORDERED)
+        except RuntimeError as e:
+            raise KVPassError(f"{REORDERED} ({st.policy.name}, layer {st.info.layer})") from e
+    st.tail_key = k[:, :, call.length - 1].clone()
+
+
+REORDERED = (
+    "kvpass: the rows of a cache the model keeps were reordered between steps (beam search), and this "
+    "policy's per-row metadata cannot follow a cache it does not own: use own_cache=True (the default, "
+    "with a DynamicCache) or num_beams=1"
+)
+
+
 def _make_call(q, k, v, attn_mask, scale, is_causal, length, start=-1) -> AttentionCall:
     if scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])  # the op's encoding of "SDPA's default scale"
@@ -228,10 +250,12 @@ class SiteState:
         # this site no longer holds (see KVPassBackend's graph guard)
         self.epoch = 0
         self.static_ptr = 0  # the storage of the static cache this sequence runs on (0: none)
+        self.batch = 1  # rows of the last step
         self.reset()
 
     # -- the runtime's entry points: the policy's own step, or one state per row of a padded batch --
     def run_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
+        self.batch = q.shape[0]
         if self.rows_native:
             return self.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
         from kvpass.runtime import rows
@@ -239,6 +263,7 @@ class SiteState:
         return rows.run_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
 
     def run(self, call: AttentionCall, static: bool) -> torch.Tensor:
+        self.batch = call.q.shape[0]
         if self.rows_native:
             return self.forward(call, static=static)
         from kvpass.runtime import rows
@@ -294,6 +319,7 @@ class SiteState:
         self.bytes_moved = 0  # between tiers (host -> device), since the sequence started
         self.steps = 0  # decode steps since the sequence started
         self.keys_seen = 0  # keys [0, keys_seen) were checked for NaN/Inf or passed on purpose (check_keys)
+        self.tail_key: torch.Tensor | None = None  # (B, H_kv, D) the newest key of a model-kept cache
 
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
@@ -321,6 +347,8 @@ class SiteState:
             self.static_ptr = ptr
         if call.start == 0:
             self.reset()
+        if not owned and not self.rows_native:
+            check_rows_kept(self, call)
         event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
         call.valid = self.pad.valid(call.attn_mask, call.length, event)
         self.length = call.length
@@ -438,8 +466,13 @@ class SiteState:
         return max(self.attended, 0)
 
     def row(self) -> dict[str, Any]:
+        """The site's report row; ``device_bytes_per_row``: what the largest batch row holds on the device
+        (a batched state: its share, the total over the batch)."""
         base = self._row()
-        return base if self.split is None else self.split.row(base)
+        if self.split is not None:
+            return self.split.row(base)
+        base["device_bytes_per_row"] = base["device_bytes"] // max(1, self.batch)
+        return base
 
     def _row(self) -> dict[str, Any]:
         return {
