@@ -13,7 +13,9 @@ the layers of a backend, by layer parity: the paper's double buffer) the critica
 prefetched for the next layer. Positions ``[sinks, L - recent)`` are the candidates for top-k.
 
 The graph pass orders the ops of one decode step as ``prefetch(q̂_l)`` (during layer l-1) ->
-``fetch(q_l)`` -> ``attention_owned`` of layer l.
+``fetch(q_l)`` -> ``attention_owned`` of layer l. Only the attention reads the stub, so a batch that
+beam search reordered or expanded is followed there (``_reorder``), and the step's selection, made for
+the old rows, is made again.
 """
 
 from __future__ import annotations
@@ -249,8 +251,8 @@ class TailorState(SiteState):
         t0 = time.perf_counter()
         if q_hat.shape[0] == self.kabs.shape[0]:
             self._prefetch(q_hat[:, :, 0], past + 1)
-        # else the batch grew since the last step (beam search expanded it): the attention, which sees
-        # the new rows, reorders this state and prefetches for them (see _reorder)
+        # else the batch size changed since the last step (beam search expanded it): the attention, which
+        # sees the new rows, reorders this state and prefetches for them (see _reorder)
         if estimated:
             self.q_hat = q_hat[:, :, 0].clone()  # Inductor may reuse the input buffer after the op
         self.overhead_decode_s += time.perf_counter() - t0
@@ -307,7 +309,7 @@ class TailorState(SiteState):
             self.cos_n += 1
         self._wait(q.device)
         if q.shape[0] == self.kabs.shape[0]:
-            self._fetch(q[:, :, 0], past + 1)  # else the batch grew: see prefetch
+            self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
         self.overhead_decode_s += time.perf_counter() - t0
         return ticket
 
@@ -418,7 +420,7 @@ class TailorState(SiteState):
             self.kT = batch_rows(self.kT, rows)
             for name in ("sink_k", "sink_v", "rec_k", "rec_v", "kabs"):
                 setattr(self, name, batch_rows(getattr(self, name), rows))
-            # the fetch ran (or skipped a grown batch): select again; without it _decode says it is missing
+            # the fetch ran (or skipped a resized batch): select again; without it _decode says it is missing
             redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
             self._wait(q.device)
             self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = None
