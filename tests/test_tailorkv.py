@@ -3,6 +3,7 @@ definition computed from eager attention weights, sparse layers' selections agai
 quantised layers against a hand-written 1-bit cache, the cross-layer query estimate against the
 model's own modules, and end-to-end equality with Full when the budget covers the context."""
 
+import itertools
 import json
 import math
 
@@ -351,5 +352,195 @@ def test_refusals_name_the_fix():
     ids = prompt(40)
     with pytest.raises(Exception, match="needs the runtime to own the cache|StaticCache"):
         generate(m, ids, new_tokens=2, backend=kvpass(TailorKV()), cache_implementation="static")
-    with pytest.raises(Exception, match="beam search"):
-        generate(m, ids, new_tokens=3, backend=kvpass(TailorKV()), num_beams=2)
+
+
+# -- beam search: the state follows the batch reordering ---------------------------------------------
+def _row_tensors(st) -> dict:
+    """Every per-row tensor a site holds (the live part), by name: the host tier, the device tier and
+    the channel maxima of a sparse layer; the packed codes, scales, zeros and residual of a quantised one."""
+    if st.tier == "quantised":
+        kq, vq = st.packed.views()
+        out = {f"k{n}": getattr(kq, n) for n in ("packed", "scale", "zero")}
+        out.update({f"v{n}": getattr(vq, n) for n in ("packed", "scale", "zero")})
+        out.update(res_k=st.res_k[:, :, : st.n_res], res_v=st.res_v[:, :, : st.n_res])
+    else:
+        hk, hv = st.store.views()
+        out = {"host_k": hk, "host_v": hv, "kT": st.kT[..., : st.store.length], "sink_k": st.sink_k,
+               "sink_v": st.sink_v, "rec_k": st.rec_k, "rec_v": st.rec_v, "kabs": st.kabs}
+    return {name: t.clone() for name, t in out.items()}
+
+
+def _assert_rows_equal(got: dict, want: dict, where: str) -> None:
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), f"{where}: {name}"
+
+
+def _site_step(rt, q, kn, vn, q_hat, stub):
+    """One decode step of site 0 as a decode graph runs it: prefetch, fetch, attention."""
+    ticket = rt.fetch(0, q, stub) if rt.prefetch(0, q_hat, stub, True) is not None else None
+    return rt.attend_owned(0, q, kn, vn, stub, stub, None, 0.0, False, ticket)[:, :, 0]
+
+
+@pytest.mark.parametrize("rows", [[1, 0], [1, 1, 0], [0, 0, 0, 1, 1, 1]])
+@pytest.mark.parametrize("tier", ["sparse", "quantised"])
+def test_reordered_site_equals_a_site_fed_each_rows_history(tier, rows):
+    """One site, batch 2: a prefill, a decode step, then the stub comes back reordered or expanded
+    (``rows``, as beam search's index_select gives it), later permuted again; each step prefetches with
+    an estimated query. Every output, selection and per-row tensor equals that of a site which never
+    saw a reorder, fed each final row's own history (its prompt, its tokens and queries)."""
+    from kvpass.runtime.store import make_stub
+
+    if tier == "sparse":
+        pol = TailorKV(sparse_budget=40, static_tokens=12, sinks=4, critical_channels=3)
+    else:  # every layer 1-bit; 22 tokens in the residual, flushed at the 10th step (after both reorders)
+        pol = TailorKV(profile="auto", tau=-0.0, group_size=16, residual=32)
+    b, hkv, g, d, length, n, steps, again = 2, 2, 3, 16, 150, len(rows), 11, 5
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def inputs(bb):  # q, k, v, q_hat of one decode step
+        q = rnd(bb, hkv * g, 1, d)
+        return q, rnd(bb, hkv, 1, d), rnd(bb, hkv, 1, d), q + 0.5 * rnd(bb, hkv * g, 1, d)
+
+    prefill = (rnd(b, hkv * g, length, d), rnd(b, hkv, length, d), rnd(b, hkv, length, d))
+    first = inputs(b)
+    later = [inputs(n) for _ in range(steps)]
+    r = torch.tensor(rows)
+    p2 = torch.roll(torch.arange(n), 1)  # the second reorder, before later step `again`
+
+    a = Runtime(pol)
+    a.attend_owned(0, *prefill, None, None, None, 0.0, True)
+    _site_step(a, *first, make_stub(first[1], length))
+    outs_a = []
+    for j, x in enumerate(later):
+        stub = make_stub(torch.empty(b if j == 0 else n, hkv, 1, d), length + 1 + j)
+        if j == 0:
+            stub = stub.index_select(0, r)
+        elif j == again:
+            stub = stub.index_select(0, p2)
+        outs_a.append((_site_step(a, *x, stub), a.state(0).last_idx))
+
+    # site b holds, from the start, the rows in their final order: row i is a's row p2[i] before the
+    # second reorder, which was row r[p2[i]] of the prefill
+    src = r[p2]
+    bb = Runtime(pol)
+    bb.attend_owned(0, *(t[src] for t in prefill), None, None, None, 0.0, True)
+    _site_step(bb, *(t[src] for t in first), make_stub(first[1][src], length))
+    for j, x in enumerate(later):
+        x = tuple(t[p2] for t in x) if j < again else x
+        out = _site_step(bb, *x, make_stub(x[1], length + 1 + j))
+        got, idx = outs_a[j]
+        if j < again:
+            got, idx = got[p2], None if idx is None else idx[p2]
+        torch.testing.assert_close(got, out, atol=1e-6, rtol=1e-6, msg=lambda m, j=j: f"step {j}: {m}")
+        if tier == "sparse":
+            assert as_sets(idx) == as_sets(bb.state(0).last_idx), f"step {j}"
+    sa, sb = a.state(0), bb.state(0)
+    assert sa.tier == sb.tier == tier and sa.events >= 2
+    if tier == "quantised":
+        assert sa.packed.n == 160 and sa.packed.b == n
+    else:
+        assert sa.tokens_attended() == 40
+    _assert_rows_equal(_row_tensors(sa), _row_tensors(sb), tier)
+
+
+# one prompt x 3 beams, and 2 prompts x 2 beams
+BEAMS = [(1, 3), (2, 2)]
+
+
+@pytest.mark.parametrize("prompts, beams", BEAMS)
+def test_beam_search_with_a_covering_budget_equals_eager(prompts, beams):
+    """Every layer sparse (no quantisation) and a budget covering the context: each beam attends
+    every token it holds, from the host tier the beam reordering moved, so generate() equals eager
+    beam search token for token."""
+    m = tiny_llama(layers=3)
+    ids = prompt(120, batch=prompts, seed=3)
+    kw = {"num_beams": beams, "num_return_sequences": beams}
+    ref = generate(m, ids, new_tokens=6, **kw)
+    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64, sinks=4))
+    assert torch.equal(generate(m, ids, new_tokens=6, backend=be, **kw), ref)
+    assert [r["tier"] for r in be.report_rows()] == ["sparse"] * 3
+    assert all(st.events >= 1 for st in be.runtime.sites.values())  # the reorders were followed
+
+
+class _Recorder:
+    """A logits processor that keeps, at each beam-search step, the running sequences (each row's
+    whole token history, in the batch order of the forward that just ran) and their log-probs."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append((input_ids.clone(), scores.clone()))
+        return scores
+
+
+class _Forced:
+    """A logits processor that makes greedy generate() feed row b the tokens ``histories[b]`` (no
+    reordering) and keeps the log-probs of the forward that saw the whole history."""
+
+    def __init__(self, histories):
+        self.histories, self.scores = histories, None
+
+    def __call__(self, input_ids, scores):
+        n = input_ids.shape[1]
+        if n == self.histories.shape[1]:
+            self.scores = torch.log_softmax(scores.float(), -1)
+            return scores
+        forced = torch.full_like(scores, -math.inf)
+        forced[torch.arange(len(forced)), self.histories[:, n]] = 0
+        return forced
+
+
+def _teacher_forced(m, be, histories, prompt_len):
+    """The log-probs (B, V) of ``histories`` run through ``be`` as a batch that is never reordered: a
+    prefill of the first ``prompt_len`` tokens, then each row's own tokens one step at a time (greedy
+    generate, which calls the model as beam search does: the same compiled graphs)."""
+    from transformers import LogitsProcessorList
+
+    forced = _Forced(histories)
+    out = generate(m, histories[:, :prompt_len], new_tokens=histories.shape[1] - prompt_len + 1, backend=be,
+                   logits_processor=LogitsProcessorList([forced]))
+    assert torch.equal(out[:, :-1], histories)
+    return forced.scores
+
+
+@pytest.mark.parametrize("prompts, beams", BEAMS)
+def test_beam_search_compressing_equals_runs_without_reordering(prompts, beams):
+    """A compressing TailorKV (a 2-bit layer whose residual flushes after the reorders, two sparse
+    layers scoring 3 of 16 channels with the estimated query, 48 of ~160 tokens attended, 2 recent
+    ones, so that the beams' own tokens, the only ones that tell them apart, soon become candidates
+    for the top-k): at every
+    beam-search step, the log-probs of each running beam equal those of a run of the same policy that
+    is fed that beam's token history with no reordering at all, and after the last step every per-row
+    tensor of every layer (host tier, device tier, channel maxima, packed cache, residual) equals that
+    run's. So each row's state is the state of its own history, whatever the beams did."""
+    m = tiny_llama(layers=3, seed=2)
+    prompt_len = 156  # 128 tokens packed, 28 in the residual: the flush comes at the 4th decode step
+    ids = prompt(prompt_len, batch=prompts, seed=4)
+    prof = Profile(config_key(m.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
+    pol = TailorKV(profile=prof, quant_bits=2, sparse_budget=48, static_tokens=6, sinks=4,
+                   critical_channels=3, group_size=16, residual=32)
+    from transformers import LogitsProcessorList
+
+    rec = _Recorder()
+    be = kvpass(pol)
+    generate(m, ids, new_tokens=8, backend=be, num_beams=beams, num_return_sequences=beams,
+             logits_processor=LogitsProcessorList([rec]))
+    states = [be.runtime.state(i) for i in range(3)]
+    assert [st.tier for st in states] == ["quantised", "sparse", "sparse"]
+    assert states[0].packed.n == 160 and all(st.events >= 1 for st in states[1:])
+    assert all(st.tokens_attended() == 48 for st in states[1:])
+    beam_rows = [_row_tensors(st) for st in states]
+    histories = [h for h, _ in rec.steps]
+    # the beams did reorder: some step's histories are not the previous step's extended row by row
+    assert any(not torch.equal(a, b[:, : a.shape[1]]) for a, b in itertools.pairwise(histories))
+
+    for i, (hist, scores) in enumerate(rec.steps):  # each prefill starts the sites afresh
+        want = _teacher_forced(m, be, hist, prompt_len)
+        torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5, msg=lambda s, i=i: f"step {i}: {s}")
+    for layer in range(3):
+        _assert_rows_equal(beam_rows[layer], _row_tensors(be.runtime.state(layer)), f"layer {layer}")

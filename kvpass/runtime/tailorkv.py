@@ -13,7 +13,9 @@ the layers of a backend, by layer parity: the paper's double buffer) the critica
 prefetched for the next layer. Positions ``[sinks, L - recent)`` are the candidates for top-k.
 
 The graph pass orders the ops of one decode step as ``prefetch(q̂_l)`` (during layer l-1) ->
-``fetch(q_l)`` -> ``attention_owned`` of layer l.
+``fetch(q_l)`` -> ``attention_owned`` of layer l. Only the attention reads the stub, so a batch that
+beam search reordered or expanded is followed there (``_reorder``), and the step's selection, made for
+the old rows, is made again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     b, h, s, x = t.shape
     off = (torch.arange(b * h, device=t.device) * s).view(b, h, 1)
     return t.view(b * h * s, x).index_select(0, (idx.to(t.device) + off).view(-1)).view(b, h, -1, x)
+
+
+def batch_rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """``t.index_select(0, rows)`` on ``t``'s own device (rows moved there); a pinned host buffer stays
+    pinned, so the side stream's copies from it stay asynchronous."""
+    if t is None:
+        return None
+    idx = rows.to(t.device)
+    if t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned():
+        out = torch.empty((idx.shape[0], *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, idx, out=out)
+    return t.index_select(0, idx)
 
 
 class PackedCache:
@@ -111,6 +125,12 @@ class PackedCache:
         self.vs[:, :, self.n : end] = vq.scale
         self.vz[:, :, self.n : end] = vq.zero
         self.n = end
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search reordered (or expanded) the batch: rows ``rows (B',)`` of every buffer."""
+        for name in ("kp", "ks", "kz", "vp", "vs", "vz"):
+            setattr(self, name, batch_rows(getattr(self, name), rows))
+        self.b = rows.shape[0]
 
     def views(self):
         """(kq, vq) :class:`QuantizedKV` views of the ``n`` tokens held (no copy)."""
@@ -231,7 +251,10 @@ class TailorState(SiteState):
         if self.tier != SPARSE or q_hat.shape[2] != 1 or past == 0 or past != self.logical:
             return ticket  # prefill, a quantised layer, or a sequence this state has not loaded
         t0 = time.perf_counter()
-        self._prefetch(q_hat[:, :, 0], past + 1)
+        if q_hat.shape[0] == self.kabs.shape[0]:
+            self._prefetch(q_hat[:, :, 0], past + 1)
+        # else the batch size changed since the last step (beam search expanded it): the attention, which
+        # sees the new rows, reorders this state and prefetches for them (see _reorder)
         if estimated:
             self.q_hat = q_hat[:, :, 0].clone()  # Inductor may reuse the input buffer after the op
         self.overhead_decode_s += time.perf_counter() - t0
@@ -287,7 +310,8 @@ class TailorState(SiteState):
             self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
             self.cos_n += 1
         self._wait(q.device)
-        self._fetch(q[:, :, 0], past + 1)
+        if q.shape[0] == self.kabs.shape[0]:
+            self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
         self.overhead_decode_s += time.perf_counter() - t0
         return ticket
 
@@ -333,11 +357,6 @@ class TailorState(SiteState):
         t = k_new.shape[2]
         past = 0 if past_k is None else past_k.shape[2]
         length = past + t
-        if self.pad.valid(attn_mask, length, event=not past or t > 1 or self.logical != past) is not None:
-            raise KVPassError(
-                "kvpass: TailorKV does not support left-padded batches (padding would be quantised and scored "
-                "with real tokens); run each prompt alone or use StreamingLLM/Full for padded batches"
-            )
         scale = scale if scale > 0 else 1.0 / math.sqrt(q.shape[-1])
         rows = self.stubs.rows(past_k) if past else None
         dev = q.device
@@ -377,13 +396,36 @@ class TailorState(SiteState):
             )
         b = self.store.k.shape[0] if self.tier == SPARSE else self.packed.b
         if rows is not SAME and reorder_needed(rows, b):
-            raise KVPassError(
-                "kvpass: TailorKV does not follow a batch reordered between steps (beam search); use "
-                "num_beams=1 or a selection policy (Quest, ClusterKV)"
-            )
+            self._reorder(rows, q, length)
         if t > 1:
             return self._chunk(q, k_new, v_new, attn_mask, scale, is_causal)
         return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
+
+    def _reorder(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
+        """Beam search reordered (or expanded) the batch between steps: row i of every per-row tensor
+        becomes row ``rows[i]`` (the host tier's on the host). The prefetch and fetch of this step ran
+        before the attention saw the new order, for the old rows: their selection is made again (the
+        channels from the same estimate ``q̂``, the top-k from the true query)."""
+        t0 = time.perf_counter()
+        self.events += 1
+        if self.tier == QUANTISED:
+            self.packed.reorder(rows)
+            self.res_k, self.res_v = batch_rows(self.res_k, rows), batch_rows(self.res_v, rows)
+        else:
+            b, st = self.store.k.shape[0], self.store
+            st.k, st.v = batch_rows(st.k, rows), batch_rows(st.v, rows)
+            self.kT = batch_rows(self.kT, rows)
+            for name in ("sink_k", "sink_v", "rec_k", "rec_v", "kabs"):
+                setattr(self, name, batch_rows(getattr(self, name), rows))
+            # the fetch ran (or skipped a resized batch): select again; without it _decode says it is missing
+            redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
+            self._wait(q.device)
+            self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = None
+            if redo:
+                self._prefetch(self.q_hat if self.q_hat is not None else q[:, :, 0], length)
+                self._wait(q.device)
+                self._fetch(q[:, :, 0], length)
+        self.overhead_decode_s += time.perf_counter() - t0
 
     def _account(self) -> None:
         if self.tier == QUANTISED:
