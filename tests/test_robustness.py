@@ -93,7 +93,9 @@ def test_left_padded_batches_every_policy_equals_rows_alone_or_refuses():
 
 
 # -- no recompilation after warm-up ---------------------------------------------------------------------
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+# static: `make test-all`; in `make test` the static cache runs in tests/test_policies.py and the
+# hand-written loops of tests/test_families.py, and each policy's static-cache refusal in its own file
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
 def test_decoding_compiles_nothing_after_warm_up(cache):
     """After the prefill and two decode steps (the last graph a decode with a symbolic length), later
     decode steps compile nothing, for every policy (a policy that cannot serve the cache type refuses
