@@ -2,7 +2,6 @@ import atexit
 import os
 import shutil
 import tempfile
-import time
 from types import SimpleNamespace
 
 # Each test session (each xdist worker) compiles into an Inductor cache directory of its own, which its
@@ -14,6 +13,10 @@ atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 # The Triton kernels run under the interpreter on this CPU-only machine; set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor compiles its C++ kernels in this process: its default pool of compile workers imports torch
+# once per core in every test process (and every subprocess), about 9 s of CPU each time on a busy
+# 2-core machine, while pytest-xdist already keeps both cores busy. The generated code is the same.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -52,18 +55,24 @@ def _fresh_dynamo(request):
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once per test run into a fresh temporary cache.
 
-    Returns a namespace with ``cache_dir`` (the cache root to pass as ``load_smollm2(cache_dir=...)``;
-    reloading from it takes well under a second), ``model`` and ``tokenizer`` (fp32, sdpa, eval; shared
-    by every test of the session, so a test that changes the model must load its own copy from
-    ``cache_dir``) and ``first_load_s`` (seconds taken by the converting load).
+    The xdist workers of a run share the cache (a file lock makes the others wait for the first one's
+    conversion, which takes minutes on a busy machine; then each reloads it in about a second).
+    Returns a namespace with ``cache_dir`` (the cache root to pass as ``load_smollm2(cache_dir=...)``),
+    ``model`` and ``tokenizer`` (fp32, sdpa, eval; shared by every test of the process, so a test that
+    changes the model must load its own copy from ``cache_dir``).
     """
+    from filelock import FileLock
+
     from kvpass.models import load_smollm2
 
-    cache_dir = tmp_path_factory.mktemp("kvpass_cache")
-    start = time.perf_counter()
-    model, tokenizer = load_smollm2(cache_dir=cache_dir, progress=False)
-    first_load_s = time.perf_counter() - start
-    return SimpleNamespace(cache_dir=cache_dir, model=model, tokenizer=tokenizer, first_load_s=first_load_s)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's base is <run>/popen-gwN; <run> is shared by the run's workers
+    cache_dir = root / "kvpass_cache"
+    with FileLock(str(root / "kvpass_cache.lock")):  # beside the cache: test_models lists its folder
+        cache_dir.mkdir(exist_ok=True)
+        model, tokenizer = load_smollm2(cache_dir=cache_dir, progress=False)
+    return SimpleNamespace(cache_dir=cache_dir, model=model, tokenizer=tokenizer)
 
 
 @pytest.fixture

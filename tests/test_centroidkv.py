@@ -187,23 +187,34 @@ def test_degrees_always_sum_to_tokens_seen(n, steps, chunk, ratio, seed):
 
 
 # -- end to end --------------------------------------------------------------------------------------
-def test_no_merge_equals_eager_and_merging_runs():
+def test_no_merge_equals_eager_merging_runs_and_a_second_generate_starts_afresh():
+    # one compile: the merging policy runs on the graphs of the one that never merges (set_policy)
     model = tiny_llama(layers=2, heads=4, kv_heads=2)
-    ids = prompt(200)
+    ids, other = prompt(200), prompt(200, seed=6)
     ref = generate(model, ids, new_tokens=6)
     be = kvpass(CentroidKV(merge_ratio=0.0), strict=True)
-    assert torch.equal(generate(model, ids, new_tokens=6, backend=be), ref)
-    torch._dynamo.reset()
-    be = kvpass(CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=16), strict=True)
-    out = generate(model, ids, new_tokens=6, backend=be)
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        def run(x):
+            return model.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+        assert torch.equal(run(ids), ref)
+        be.set_policy(CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=16))
+        fresh = run(other)  # the first sequence of the merging policy
+        out = run(ids)
+        rows = be.report_rows()
+        second = run(other)
+    finally:
+        model.forward = fwd
     assert out.shape == ref.shape
-    rows = be.report_rows()
     full_bytes = 2 * 2 * 205 * 16 * 4  # K and V, 2 KV heads, 205 tokens, head_dim 16, fp32
     for r in rows:
         assert r["merge_rounds"] > 0 and r["tokens_logical"] == 205
         assert r["tokens_held"] <= 0.5 * 205
         assert r["device_bytes"] <= 0.5 * full_bytes
     assert "CentroidKV" in be.report()
+    assert torch.equal(second, fresh)  # nothing of the sequence before it leaked into the second one
 
 
 def test_static_cache_is_refused_clearly():
@@ -211,15 +222,3 @@ def test_static_cache_is_refused_clearly():
     ids = prompt(40)
     with pytest.raises(KVPassError, match="own the cache"):
         generate(model, ids, new_tokens=2, backend=kvpass(CentroidKV()), cache_implementation="static")
-
-
-def test_second_generate_starts_afresh():
-    model = tiny_llama(layers=2, heads=4, kv_heads=2)
-    be = kvpass(CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=16), strict=True)
-    a = generate(model, prompt(150, seed=5), new_tokens=4, backend=be)
-    b = generate(model, prompt(150, seed=6), new_tokens=4, backend=be)
-    torch._dynamo.reset()
-    fresh = generate(model, prompt(150, seed=6), new_tokens=4,
-                     backend=kvpass(CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=16)))
-    assert torch.equal(b, fresh)  # nothing of the first sequence leaked into the second
-    assert a.shape == b.shape

@@ -23,11 +23,8 @@ KW = dict(batch_context=BATCH_CONTEXT, threads=[1], steps=2, warmup_steps=2, pro
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from kvpass.models import load_smollm2
-
-    _, tok = load_smollm2(progress=False)  # the converted cache (reloads in well under a second)
-    return tok
+def tokenizer(smollm2):
+    return smollm2.tokenizer  # the session's conversion (the default cache may not exist, as on CI)
 
 
 @pytest.fixture(scope="module")

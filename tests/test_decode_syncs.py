@@ -73,53 +73,63 @@ def check_steady(steps, policy):
     assert any("kvpass::attention_owned" in op for op in next(iter(shapes))), "the runtime's op was not logged"
 
 
-@pytest.mark.parametrize("policy", TINY_POLICIES, ids=lambda p: p.describe())
-def test_steady_decode_step_is_sync_free_and_fixed(policy, one_thread):
-    # batch 3: the batch > 1 paths (a stub with several rows was read at every step before StubRows)
+class Syncing(StreamingLLM):
+    """StreamingLLM whose selection reads a tensor on the host, as a data-dependent branch would."""
+
+    def new_state(self, info):
+        st = super().new_state(info)
+        select = st.select
+
+        def select_with_sync(call):
+            idx = select(call)
+            bool(call.q.sum() > 0)  # a host read
+            return idx
+
+        st.select = select_with_sync
+        return st
+
+
+def test_steady_decode_step_is_sync_free_and_fixed(one_thread):
+    """Every policy of TINY_POLICIES, one compile per graph key (the others are swapped in with
+    set_policy). Batch 3: the batch > 1 paths (a stub with several rows was read at every step before
+    StubRows). ClusterKV's decode-time clustering runs every decode_window steps and is declared as an
+    event. And the log can fail: a policy whose selection reads a tensor on the host is caught."""
     model = tiny_llama()
-    steps = decode_log(model, policy, prompt(48, batch=3))
-    check_steady(steps, policy.describe())
-
-
-@pytest.mark.parametrize("policy", [p for p in TINY_POLICIES if not p.new_state(SiteInfo(0, 0)).rows_native][:4],
-                         ids=lambda p: p.describe())
-def test_padded_batch_decode_step_is_sync_free_and_fixed(policy, one_thread):
-    """A left-padded batch (served row by row, kvpass/runtime/rows.py) keeps steady steps sync-free and
-    fixed: the rows' first positions are read where the sequence starts, not per step."""
+    ids = prompt(48, batch=3)
+    # a left-padded batch (served row by row, kvpass/runtime/rows.py) for the first policy of each kind
+    # that keeps per-batch metadata: the rows' first positions are read where the sequence starts only
     from families import left_padded
 
-    ids, mask = left_padded([prompt(48, seed=2)[0], prompt(37, seed=3)[0]])
-    steps = decode_log(tiny_llama(), policy, ids, mask=mask)
-    check_steady(steps, policy.describe() + " (padded)")
-
-
-def test_op_log_sees_syncs_inside_kvpass_ops(one_thread):
-    """The log can fail: a policy whose selection reads a tensor on the host is caught."""
-
-    class Syncing(StreamingLLM):
-        def new_state(self, info):
-            st = super().new_state(info)
-            select = st.select
-
-            def select_with_sync(call):
-                idx = select(call)
-                bool(call.q.sum() > 0)  # a host read, as a data-dependent branch would make
-                return idx
-
-            st.select = select_with_sync
-            return st
-
-    steps = decode_log(tiny_llama(), None, prompt(48), steps=2, backend=kvpass(Syncing(sinks=4, window=8)))
-    assert all(s[1] for s in steps)
-    with pytest.raises(AssertionError, match="syncing ops"):
-        check_steady(steps, "Syncing")
-
-
-def test_scheduled_events_are_declared(one_thread):
-    """ClusterKV's decode-time clustering runs every decode_window steps and is declared as an event."""
-    p = ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, dense_layers=(), decode_window=8, decode_clusters=2)
-    steps = decode_log(tiny_llama(), p, prompt(48))
-    assert 1 <= sum(s[2] for s in steps) <= 3
+    padded, mask = left_padded([prompt(48, seed=2)[0], prompt(37, seed=3)[0]])
+    split = {type(p) for p in TINY_POLICIES if not p.new_state(SiteInfo(0, 0)).rows_native}
+    groups: dict[str, list] = {}
+    for p in TINY_POLICIES:
+        groups.setdefault(p.graph_key(), []).append(p)
+    checked = []
+    for group in groups.values():
+        backend = kvpass(group[0])
+        for policy in group:
+            backend.set_policy(policy)
+            steps = decode_log(model, policy, ids, backend=backend)
+            check_steady(steps, policy.describe())
+            if isinstance(policy, ClusterKV):
+                assert 1 <= sum(s[2] for s in steps) <= 3, "ClusterKV's clustering is not an event"
+            checked.append(policy)
+            if type(policy) in split:
+                split.discard(type(policy))
+                backend.set_policy(policy)
+                check_steady(decode_log(model, policy, padded, backend=backend, mask=mask),
+                             policy.describe() + " (padded)")
+                checked.append(f"{policy.name} padded")
+        if group[0].graph_key() == Syncing().graph_key():
+            backend.set_policy(Syncing(sinks=4, window=8))
+            steps = decode_log(model, None, ids, steps=2, backend=backend)
+            assert all(s[1] for s in steps)
+            with pytest.raises(AssertionError, match="syncing ops"):
+                check_steady(steps, "Syncing")
+            checked.append("Syncing")
+    assert not split, f"no padded batch checked for {split}"
+    assert len(checked) == len(TINY_POLICIES) + 1 + 4 and "Syncing" in checked  # every policy, padded, canary
 
 
 @pytest.mark.slow  # a sweep of five policies on its own SmolLM2 compile (a hand-written decode loop)

@@ -86,60 +86,60 @@ def test_docs_models_md_is_current():
     assert coverage.COMMAND in have.splitlines()[2]  # the command sits at the top of the page
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_hand_written_decode_loop_equals_eager(cache):
+def test_hand_written_decode_loops_full_equals_eager_and_static_compresses_like_dynamic():
+    """A hand-written decode loop on each cache type, one backend per cache type serving every policy
+    (set_policy): Full equals eager (tokens and logits), and a compressing policy on a StaticCache
+    selects what it selects on a DynamicCache (the same keys, so the same pages / clusters / window):
+    equal tokens. Every run has one site per layer that saw the prefill and every decode step, also
+    when a graph break compiles the decode for the inner model (transformers 4.57)."""
     # On transformers 4.57 the static decode graph is compiled for LlamaModel.forward on its own (a graph
     # break), so its sites are named layers.N.self_attn rather than model.layers.N.self_attn: the backend
     # must still give each layer one site (KVPassBackend._site_id), or the decode would run from a state
     # that never saw the prefill (the report's per-site call counts below would split).
     model = tiny_llama(layers=2)
-    ids = prompt(14)
-    ref_tokens, ref_logits = decode_loop(model.forward, model, ids, steps=5, cache=cache)
-    be = kvpass(Full(), strict=True)
-    tokens, logits = decode_loop(torch.compile(model.forward, backend=be), model, ids, steps=5, cache=cache)
-    assert torch.equal(tokens, ref_tokens)
-    for a, b in zip(logits, ref_logits):
-        torch.testing.assert_close(a, b)
-    # (transformers 4.57 also compiles a small graph without attention around StaticCache's length)
-    attention = [g for g in be.graphs if g.sites or g.unmatched]
-    assert {g.kind for g in attention} == {"prefill", "decode"}, be.graphs
-    assert all(sorted(r["layer"] for r in g.sites) == [0, 1] for g in attention), be.graphs
-    assert {r["pattern"].split()[0] for g in be.graphs for r in g.sites} == (
-        {"P3", "P1"} if cache == "dynamic" else {"P2"}
-    )
-    assert all(r["prefill_calls"] == 1 and r["decode_calls"] == 4 for r in be.report_rows())
-    assert len(be.report_rows()) == 2  # one site per layer, whatever frame compiled each graph
-
-
-@pytest.mark.parametrize("name", ["StreamingLLM", "Quest", "ClusterKV"])
-def test_hand_written_static_loop_compresses_like_the_dynamic_cache(name):
-    """A compressing policy on a StaticCache driven by hand selects what it selects on a DynamicCache
-    (the same keys, so the same pages / clusters / window): equal tokens, and one site per layer that saw
-    the prefill and every decode step, also when a graph break compiles the decode for the inner model
-    (transformers 4.57)."""
-    model = tiny_llama(layers=2)
     ids = prompt(30)
+    steps = 6
+    compressing = ("StreamingLLM", "Quest", "ClusterKV")
     runs = {}
     for cache in ("dynamic", "static"):
         torch._dynamo.reset()
-        be = kvpass(SMALL[name], strict=True)
+        ref_tokens, ref_logits = decode_loop(model.forward, model, ids, steps=steps, cache=cache)
+        be = kvpass(Full(), strict=True)
         fwd = torch.compile(model.forward, backend=be)
-        tokens, logits = decode_loop(fwd, model, ids, steps=6, cache=cache)
-        rows = be.report_rows()
-        assert sorted(r["layer"] for r in rows) == [0, 1], rows
-        assert all(r["prefill_calls"] == 1 and r["decode_calls"] == 5 for r in rows), rows
-        assert all(r["tokens_attended"] < r["tokens_logical"] for r in rows), rows  # it did compress
-        runs[cache] = tokens, logits
-    assert torch.equal(runs["static"][0], runs["dynamic"][0])
-    for a, b in zip(runs["static"][1], runs["dynamic"][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for name in ("Full", *compressing):
+            be.set_policy(SMALL[name])
+            tokens, logits = decode_loop(fwd, model, ids, steps=steps, cache=cache)
+            rows = be.report_rows()
+            assert sorted(r["layer"] for r in rows) == [0, 1], (cache, name, rows)  # one site per layer
+            assert all(r["prefill_calls"] == 1 and r["decode_calls"] == steps - 1 for r in rows), name
+            if name == "Full":
+                assert torch.equal(tokens, ref_tokens), cache
+                for a, b in zip(logits, ref_logits):
+                    torch.testing.assert_close(a, b)
+            else:
+                assert all(r["tokens_attended"] < r["tokens_logical"] for r in rows), (cache, name, rows)
+                runs[cache, name] = tokens, logits
+        # (transformers 4.57 also compiles a small graph without attention around StaticCache's length)
+        attention = [g for g in be.graphs if g.sites or g.unmatched]
+        assert {g.kind for g in attention} == {"prefill", "decode"}, be.graphs
+        assert all(sorted(r["layer"] for r in g.sites) == [0, 1] for g in attention), be.graphs
+        assert {r["pattern"].split()[0] for g in be.graphs for r in g.sites} == (
+            {"P3", "P1"} if cache == "dynamic" else {"P2"}
+        )
+    for name in compressing:
+        (st_tokens, st_logits), (dyn_tokens, dyn_logits) = runs["static", name], runs["dynamic", name]
+        assert torch.equal(st_tokens, dyn_tokens), name
+        for a, b in zip(st_logits, dyn_logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # Per-dtype tolerance on logits (compiled vs eager: Inductor fuses and reorders the same math).
 LOGIT_TOL = {torch.float32: (1e-5, 1.3e-6), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1e-1, 5e-2)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+# fp16: `make test-all`; `make test` runs the same half-precision path in bf16 (CPU inference's half type)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, marks=pytest.mark.slow, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
 def test_half_precision_full_equals_eager(dtype):
     # fp32 is every family's test above
     model = tiny_llama(layers=2).to(dtype)

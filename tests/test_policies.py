@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvpass import Full, KVPassError, Quest, StreamingLLM, kvpass, policy_from_dict
+from kvpass import ClusterKV, Full, KVPassError, Quest, StreamingLLM, kvpass, policy_from_dict
 from sites import as_sets, attend_oracle, prefill_then_decode
 from tiny import generate, prompt, tiny_llama
 
@@ -112,12 +112,24 @@ def test_full_and_covering_budgets_equal_eager(cache):
     ids = prompt(40)
     kw = {"cache_implementation": "static"} if cache == "static" else {}
     ref = generate(model, ids, new_tokens=6, **kw)
-    for policy in (Full(), Quest(budget=64, page_size=8), StreamingLLM(sinks=4, window=60)):
-        torch._dynamo.reset()
-        be = kvpass(policy, strict=True)
-        out = generate(model, ids, new_tokens=6, backend=be, **kw)
-        assert be.graphs, "nothing was compiled"
-        assert torch.equal(out, ref), policy
+    # one compile: the covering budgets run on Full's graphs (set_policy; tests/test_backend.py checks
+    # that a swapped-in policy equals a backend of its own)
+    be = kvpass(Full(), strict=True)
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        for policy in (Full(), Quest(budget=64, page_size=8), StreamingLLM(sinks=4, window=60),
+                       ClusterKV(budget=128, sinks=4, tokens_per_cluster=8, dense_layers=())):
+            be.set_policy(policy)
+            out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **kw)
+            assert be.graphs, "nothing was compiled"
+            assert torch.equal(out, ref), policy
+            rows = be.report_rows()
+            assert all(r["policy"] == policy.name and r["prefill_calls"] == 1 for r in rows), policy
+            if policy.name == "ClusterKV":
+                assert all(r["clusters"] == (40 - 4) // 8 for r in rows)  # it clustered, attended everything
+    finally:
+        model.forward = fwd
 
 
 def test_small_budget_attends_budget_tokens():

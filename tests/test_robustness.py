@@ -1,5 +1,5 @@
 """Any way it is called: every policy with left-padded batches, no recompilation after warm-up, bounded
-device bytes over 2,000 decode steps, and clear errors for bad input."""
+device bytes over 1,000 decode steps, and clear errors for bad input."""
 
 import pytest
 import torch
@@ -80,7 +80,9 @@ def test_left_padded_batches_every_policy_equals_rows_alone():
 
 
 # -- no recompilation after warm-up ---------------------------------------------------------------------
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+# static: `make test-all`; in `make test` the static cache runs in tests/test_policies.py and the
+# hand-written loops of tests/test_families.py, and each policy's static-cache refusal in its own file
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
 def test_decoding_compiles_nothing_after_warm_up(cache):
     """After the prefill and two decode steps (the last graph a decode with a symbolic length), later
     decode steps compile nothing, for every policy (a policy that cannot serve the cache type refuses
@@ -129,11 +131,11 @@ def _sample_rows(be, every):
     return samples, StoppingCriteriaList([OnStep(hook)])
 
 
-def test_centroidkv_device_bytes_stay_within_budget_over_2000_steps():
+def test_centroidkv_device_bytes_stay_within_budget_over_1000_steps():
     """CentroidKV(budget=B) holds at most B slots per KV head; with its fp32 degree a slot costs
     2*D*itemsize + 4 bytes, so a site's device bytes never exceed batch * H_kv * B * that (read from the
     report, which counts the buffers' real sizes), however long the decode."""
-    budget, steps = 64, 2000
+    budget, steps = 64, 1000  # the 10x margin on Full below holds from about 560 steps
     policy = CentroidKV.with_budget(budget, sinks=4, recent=16, step=16, chunk=32, outlier_heads=0.0)
     model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, positions=4096)
     ids = prompt(100)

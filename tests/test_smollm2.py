@@ -1,15 +1,20 @@
 """The real bundled model through the README's path (``torch.compile(model.forward, backend=kvpass(...))``,
-``model.generate``), on one compile per test process shared by these tests (conftest's
-``smollm2_compiled``: a ~256-token prose prompt, 10 new tokens). The steady-decode sweep of five
-policies on SmolLM2 is in tests/test_decode_syncs.py and ``kvpass demo --quick`` in tests/test_cli.py
-(both ``slow``: each compiles SmolLM2 on its own)."""
+``model.generate``), on one compile per test process (conftest's ``smollm2_compiled``: a ~256-token prose
+prompt, 10 new tokens). One test, so that xdist gives the whole of it to one worker: two tests could land
+on two workers and compile SmolLM2 twice. The steady-decode sweep of five policies on SmolLM2 is in
+tests/test_decode_syncs.py and ``kvpass demo --quick`` in tests/test_cli.py (both ``slow``: each compiles
+SmolLM2 on its own)."""
 
 import torch
 
 from kvpass import Full, Quest
 
 
-def test_full_equals_eager_on_smollm2(smollm2_compiled):
+def test_full_equals_eager_and_quest_runs_on_fulls_graphs_on_smollm2(smollm2_compiled):
+    """Full gives eager's tokens at every one of the 30 sites. Then a compressing policy swapped in with
+    ``set_policy`` compiles nothing, attends at most its budget plus the newest page at every site,
+    decodes from an exact prefill (the first new token is eager's), and with a budget that covers the
+    context gives eager's tokens."""
     sm = smollm2_compiled
     ref = sm.eager()
     out, rows = sm.generate(Full())
@@ -18,18 +23,9 @@ def test_full_equals_eager_on_smollm2(smollm2_compiled):
     assert all(r["prefill_calls"] == 1 and r["decode_calls"] == sm.new_tokens - 1 for r in rows)
     assert all(r["tokens_attended"] == r["tokens_logical"] for r in rows)
 
-
-def test_quest_on_smollm2_runs_on_fulls_graphs_and_attends_its_budget(smollm2_compiled):
-    """A compressing policy swapped in with ``set_policy`` compiles nothing, attends at most its budget
-    plus the newest page at every site, decodes from an exact prefill (the first new token is eager's),
-    and with a budget that covers the context gives eager's tokens."""
-    sm = smollm2_compiled
-    ref = sm.eager()
     n = sm.inputs["input_ids"].shape[1]
     assert n > 200  # the budget below is well under the context
-    sm.generate(Full())  # warm: compiles only if this process has not yet (or a reset dropped the graphs)
     graphs = len(sm.backend.graphs)
-
     out, rows = sm.generate(Quest(budget=64, page_size=16))
     assert len(sm.backend.graphs) == graphs, "Quest compiled graphs of its own"
     assert [r["layer"] for r in rows] == list(range(30))
