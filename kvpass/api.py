@@ -377,7 +377,8 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     """Build the backend: ``torch.compile(model, backend=kvpass(Quest(budget=1024)))``.
 
     Options:
-    - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact.
+    - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact,
+      or when a watched forward ran none of the backend's graphs (compression off; kvpass/watch.py).
     - ``cache`` (bool, default True): let Inductor's FX graph and AOTAutograd caches serve compiled
       graphs across processes (keyed on the pass code, the policy, the options and the backend's
       handle, which is the same for the n-th backend of a policy in every process). What the pass

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
 # a dynamo wrapper whose backend cannot be read: never blamed on this backend
 OTHER = object()
@@ -50,34 +51,41 @@ def backend_of_wrapper(fn: Any) -> Any:
     return backend_of_callback(callback) if callable(callback) else OTHER
 
 
-class _Seen:
-    """The last forward wrapper looked at and its backend, so that a steady decode step costs an
-    identity compare rather than a walk through dynamo's wrappers."""
+MINE, UNCOMPILED = object(), object()  # what whose() answers, with OTHER
 
-    __slots__ = ("backend", "ref")
+
+class _Seen:
+    """The last forward wrapper looked at and whose it is, so that a steady decode step costs an
+    identity compare rather than a walk through dynamo's wrappers. The wrapper is held weakly and only
+    the answer is kept: a watch keeps neither an old wrapper nor another backend alive."""
+
+    __slots__ = ("ref", "whose")
 
     def __init__(self) -> None:
         self.ref: Callable[[], Any] = lambda: None
-        self.backend: Any = None
+        self.whose: Any = UNCOMPILED
 
 
-def owner(mod: torch.nn.Module, seen: _Seen) -> Any:
-    """The backend that compiles this call of ``mod`` (None: the module runs uncompiled)."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+def _whose(found: Any, backend: Any) -> Any:
+    return MINE if found is backend else UNCOMPILED if found is None else OTHER
 
+
+def whose(mod: torch.nn.Module, backend: Any, seen: _Seen) -> Any:
+    """MINE when ``backend`` compiles this call of ``mod``, OTHER when another backend (or a wrapper
+    whose backend cannot be read) does, UNCOMPILED when no dynamo wrapper is involved."""
     callback = get_eval_frame_callback()
     if callback is not None and callback is not False:  # a hook inside a compiled call that fell back
-        return backend_of_callback(callback)
+        return _whose(backend_of_callback(callback), backend)
     fn = mod.__dict__.get("_compiled_call_impl") or mod.__dict__.get("forward")
     if fn is None:
-        return None
+        return UNCOMPILED
     if seen.ref() is not fn:
-        seen.backend = backend_of_wrapper(fn)
+        seen.whose = _whose(backend_of_wrapper(fn), backend)
         try:
             seen.ref = weakref.ref(fn)
-        except TypeError:
+        except TypeError:  # not weakly referable: looked up again next time
             seen.ref = lambda: None
-    return seen.backend
+    return seen.whose
 
 
 def watch(backend: Any, mod: torch.nn.Module, whole_module: bool) -> Callable[[], None]:
@@ -101,9 +109,9 @@ def watch(backend: Any, mod: torch.nn.Module, whole_module: bool) -> Callable[[]
             for h in handles:
                 h.remove()
             return
-        who = owner(m, seen)
-        if who is be or (who is None and scope["module"]):
-            state.n, state.uncompiled = be.graph_calls(), who is None
+        who = whose(m, be, seen)
+        if who is MINE or (who is UNCOMPILED and scope["module"]):
+            state.n, state.uncompiled = be.graph_calls(), who is UNCOMPILED
         else:
             state.n = None
 

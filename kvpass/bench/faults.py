@@ -256,23 +256,32 @@ def generate_on_torch_compile_module(strict: bool):
     return run
 
 
-def watched_compile_prefill_eager(strict: bool):
+def watched_compile_prefill_eager(strict: bool, how: str = "backend.compile"):
     def run(model, ids, policy):
-        """``backend.compile(model)`` when the recompile limit is spent before the prefill: the whole
-        generate runs eagerly; the watch warns (or raises under strict)."""
+        """``backend.compile(model)`` (or ``model.compile(backend=...)``) when the recompile limit is spent
+        before the prefill: the whole generate runs eagerly; the watch warns (or raises under strict)."""
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=1):
             # another model uses up the one graph allowed (its cache is its own: its eager steps are exact)
-            generate(tiny_model(3), ids[:, :8], backend=kvpass(Full(), own_cache=False))
+            other = tiny_model(3)
+            if how == "model.compile":  # _call_impl's code, and so its limit, is every module's
+                other.compile(backend=kvpass(Full(), own_cache=False))
+                other.generate(ids[:, :8], max_new_tokens=NEW, do_sample=False)
+            else:
+                generate(other, ids[:, :8], backend=kvpass(Full(), own_cache=False))
             backend = kvpass(policy, strict=strict)
             fwd = model.forward
-            backend.compile(model)
+            if how == "model.compile":
+                model.compile(backend=backend)
+            else:
+                backend.compile(model)
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
             finally:
                 model.forward = fwd
+                model._compiled_call_impl = None
         said = [str(w.message) for w in caught if "compression is off" in str(w.message)]
         run.detail = "warned: " + said[0] if said else ""
         return out if said else torch.zeros_like(out)  # silent: counted wrong
@@ -321,6 +330,9 @@ TRIGGERS = [
             "the whole generate runs eagerly", watched_compile_prefill_eager(False), ref="eager", policies=('Quest',)),
     Trigger("backend.compile, prefill eager, strict", "the same with kvpass(..., strict=True)",
             watched_compile_prefill_eager(True), policies=('Quest',)),
+    Trigger("model.compile, prefill eager", "model.compile(backend=...) with the recompile limit spent "
+            "(_call_impl's code is shared by every module): the whole generate runs eagerly",
+            watched_compile_prefill_eager(False, "model.compile"), ref="eager", policies=("Quest",)),
 ]
 
 POLICIES: list[Policy] = [Full(), Quest(budget=32, page_size=8)]
