@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import threading
 import warnings
 import weakref
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from kvpass.policies.base import Policy, bool_problem, policy_from_dict
+from kvpass.runtime.guard import CallCount, GuardedGraph
 from kvpass.runtime.state import KVPassError, Runtime
 
 __all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend"]
@@ -54,9 +56,11 @@ class KVPassBackend:
         self._busy = threading.RLock()  # held while one of this backend's graphs runs (GuardedGraph)
         self._guards: list = []
         self._compile_saw = False  # torch.compile(..., backend=self) was called (it reads __name__)
-        self._watched: weakref.WeakSet = weakref.WeakSet()  # modules torch.compile wrapped with this backend
+        # modules torch.compile wrapped with this backend -> widen their watch to the whole module
+        self._watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._off_warned = False
-        self.eager_forwards = 0  # forwards of backend.compile()'s model that ran no kvpass graph
+        self._tally = CallCount()  # calls of every graph of this backend (GuardedGraph)
+        self.eager_forwards = 0  # watched forwards that ran no kvpass graph (kvpass/watch.py)
         self._pass = KVPassGraphPass(self)
 
     @property
@@ -68,18 +72,18 @@ class KVPassBackend:
         return "kvpass"
 
     def _watch_compiled_module(self) -> None:
-        """``torch.compile(model, backend=self)``: watch ``model`` for forwards that run no kvpass graph.
+        """Watch the module torch.compile is wrapping with this backend, for forwards that run none of
+        its graphs (kvpass/watch.py).
 
-        torch.compile wraps a module without changing it, so ``wrapper.generate()`` calls the original
-        module and compiles nothing. The module is a local of torch.compile's frame (the caller of
-        ``__name__``). A forward pre-hook and a forward hook on it count this backend's graph calls around
-        each forward; inside a compiled graph dynamo traces them as nothing. A forward that ran no graph
-        warns once, raises under ``strict`` and is counted in ``report()``. ``model.compile()`` compiles
-        the module's ``_call_impl``, hooks included, so it is watched the same way.
-        ``torch.compile(model.forward)`` is not: its hooks run outside the compiled function, a module's
-        forward may be compiled by several backends in turn, and only :meth:`compile`'s wrapper knows its
-        own."""
+        The module is a local of torch.compile's frame (the caller of ``__name__``'s caller):
+        ``torch.compile(model)`` gives the module itself (its wrapper's ``generate()`` calls the
+        original module, compiling nothing), ``model.compile()`` the module's ``_call_impl`` and
+        ``torch.compile(model.forward)`` the bound forward. The hooks count a forward only when dynamo's
+        objects say this backend compiles it, so a module compiled by several backends in turn does not
+        blame the wrong one."""
         import sys
+
+        from kvpass.watch import watch
 
         frame, target = sys._getframe(1), None
         for _ in range(4):  # this property <- torch's compile wrapper <- torch.compile(model, ...)
@@ -88,43 +92,39 @@ class KVPassBackend:
                 return
             if frame.f_code.co_name == "compile" and frame.f_globals.get("__name__") == "torch":
                 target = frame.f_locals.get("model")
+                if frame.f_locals.get("disable") is True or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+                    self._compression_off(
+                        "torch.compile(..., disable=True) (or TORCHDYNAMO_DISABLE=1) returns the model "
+                        "uncompiled. Fix: drop disable=True (unset TORCHDYNAMO_DISABLE)")
+                    return
                 break
-        if getattr(target, "__name__", None) == "_call_impl" and isinstance(getattr(target, "__self__", None),
-                                                                           torch.nn.Module):
-            target = target.__self__  # model.compile(): hooks run inside the compiled call, like a module's
-        if not isinstance(target, torch.nn.Module) or target in self._watched:
-            return
-        self._watched.add(target)
-        backend = weakref.ref(self)
-        calls = threading.local()  # graph calls when this thread's forward began
-
-        def before(mod, args):
-            if torch.compiler.is_compiling():  # inside a compiled graph: traced as nothing
+        whole = isinstance(target, torch.nn.Module)
+        if not whole:
+            target = getattr(target, "__self__", None)  # model.compile(), model.forward: a bound method
+            if not isinstance(target, torch.nn.Module):
                 return
-            be = backend()
-            calls.n = be.graph_calls() if be is not None else None
+        widen = self._watched.get(target)
+        if widen is None:
+            self._watched[target] = watch(self, target, whole)
+        elif whole:
+            widen()
 
-        def after(mod, args, out):
-            if torch.compiler.is_compiling():
-                return
-            be, n = backend(), getattr(calls, "n", None)
-            if be is not None and n is not None and be.graph_calls() == n:
-                be._eager_forward(type(mod).__name__, (
-                    "generate() on what torch.compile(model) returns calls the original module: compile with "
-                    "backend.compile(model), model.compile(backend=backend) or model.forward = "
-                    "torch.compile(model.forward, backend=backend); or dynamo ran it eagerly"))
-
-        target.register_forward_pre_hook(before)
-        target.register_forward_hook(after)
-
-    def _eager_forward(self, model: str, why: str) -> None:
+    def _eager_forward(self, model: str, uncompiled: bool) -> None:
+        """Called by the watch: a forward of ``model`` ran none of this backend's graphs."""
         self.eager_forwards += 1
-        self._compression_off(
-            f"a forward of {model} ran none of kvpass's graphs, so it attended the full cache: {why}. "
-            "Dynamo's recompile limit (torch._dynamo.config.recompile_limit = "
-            f"{torch._dynamo.config.recompile_limit}) counts the graphs of every model compiled in this "
-            "process; torch._dynamo.disable or suppressed compile errors also run a forward eagerly. Fix: "
-            "compile as above, raise the limit, or call torch._dynamo.reset() between unrelated models")
+        eager = (
+            "dynamo ran it eagerly: its recompile limit (torch._dynamo.config.recompile_limit = "
+            f"{torch._dynamo.config.recompile_limit}) counts the graphs of every model and backend compiled "
+            "on the same forward code in this process, and torch.compiler.set_stance('force_eager'), "
+            "torch._dynamo.disable or suppressed compile errors also run a forward eagerly")
+        fix = "raise the recompile limit, or call torch._dynamo.reset() between unrelated models"
+        if uncompiled:
+            eager = ("generate() on what torch.compile(model) returns calls the original module, uncompiled "
+                     "(as does calling the model itself); or " + eager)
+            fix = ("compile with backend.compile(model), model.compile(backend=backend) or model.forward = "
+                   "torch.compile(model.forward, backend=backend); or " + fix)
+        self._compression_off(f"a forward of {model} ran none of kvpass's graphs, so it attended the full "
+                              f"cache: {eager}. Fix: {fix}")
 
     # -- dynamo backend protocol -----------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
@@ -153,9 +153,7 @@ class KVPassBackend:
             warnings.warn(
                 "kvpass: no attention site found in the compiled graph(s) so far: the model runs exact "
                 "(see backend.report())", stacklevel=2)
-        from kvpass.runtime.guard import GuardedGraph
-
-        guarded = GuardedGraph(compiled, self.runtime, self._busy)
+        guarded = GuardedGraph(compiled, self.runtime, self._busy, self._tally)
         self._guards.append(guarded)
 
         def kvpass_graph(*args):  # a function, as dynamo and its debug tools (depyf) expect
@@ -167,14 +165,15 @@ class KVPassBackend:
     def compile(self, model: torch.nn.Module, **compile_options: Any) -> torch.nn.Module:
         """Compile ``model.forward`` with this backend, in place, and return ``model``.
 
-        What ``model.forward = torch.compile(model.forward, backend=backend)`` does, plus a watch: a
-        forward that runs none of this backend's graphs (dynamo ran it eagerly: a recompile limit,
-        ``torch._dynamo.disable``, suppressed errors) decodes uncompressed while the user believes
-        otherwise, so it warns once (raises under ``strict=True``) and ``report()`` counts it.
-        ``compile_options`` go to ``torch.compile`` (``dynamic``, ``fullgraph``, ...)."""
-        import functools
-
+        ``model.forward = torch.compile(model.forward, backend=backend)`` with checks: the model itself
+        (not what torch.compile returned) and a forward no kvpass backend has compiled already. As with
+        that line, a forward that runs none of this backend's graphs (dynamo ran it eagerly: its
+        recompile limit, ``set_stance('force_eager')``, suppressed errors) warns once, raises under
+        ``strict=True`` and is counted in ``report()``. ``compile_options`` go to ``torch.compile``
+        (``dynamic``, ``fullgraph``, ...)."""
         import torch._dynamo
+
+        from kvpass.watch import backend_of_wrapper
 
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             raise KVPassError(
@@ -185,28 +184,17 @@ class KVPassBackend:
             raise TypeError(f"kvpass: backend.compile() needs a torch.nn.Module, got {type(model).__name__}")
         if "backend" in compile_options:
             raise TypeError("kvpass: backend.compile() compiles with this backend; drop the backend= option")
-        if getattr(model.forward, "_kvpass_backend", None) is not None:
+        if isinstance(other := backend_of_wrapper(model.__dict__.get("forward")), KVPassBackend):
             raise KVPassError(
-                f"kvpass: this model's forward is already compiled by {model.forward._kvpass_backend!r}; "
-                "compile a fresh model (or restore this one with `del model.forward`) for another backend"
+                f"kvpass: this model's forward is already compiled by {other!r}; compile a fresh model (or "
+                "restore this one with `del model.forward`) for another backend"
             )
-        compiled = torch.compile(model.forward, backend=self, **compile_options)
-
-        @functools.wraps(compiled)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            before = self.graph_calls()
-            out = compiled(*args, **kwargs)
-            if self.graph_calls() == before:
-                self._eager_forward(type(model).__name__, "dynamo ran it eagerly")
-            return out
-
-        forward._kvpass_backend = self
-        model.forward = forward
+        model.forward = torch.compile(model.forward, backend=self, **compile_options)
         return model
 
     def graph_calls(self) -> int:
         """How many times this backend's compiled graphs have run."""
-        return sum(g.calls for g in self._guards)
+        return self._tally.n
 
     def _compression_off(self, why: str) -> None:
         """A forward ran without any kvpass graph: warn once, or raise under ``strict``."""
@@ -324,19 +312,24 @@ class KVPassBackend:
         rows = self.report_rows()
         head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
         if self.eager_forwards:
-            head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran without a kvpass "
-                     "graph (dynamo fell back to eager; see the warning)")
+            head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran none of kvpass's "
+                     "graphs (dynamo ran them eagerly, or generate() ran the module torch.compile(model) "
+                     "wrapped; see the warning)")
         if not rows:
             if self.graphs:
                 return head + (f"\n  no attention site found in {len(self.graphs)} compiled graph(s): the model "
                                "runs exact (kvpass found no KV-cache update feeding an SDPA node)")
-            if self._compile_saw:
+            if self._compile_saw and not self.eager_forwards:
                 return head + (
-                    "\n  compression off: torch.compile was given this backend, but no graph has been compiled."
-                    " generate() on what torch.compile(model) returns runs the original, uncompiled module: use"
-                    " backend.compile(model), model.compile(backend=backend) or model.forward = "
-                    "torch.compile(model.forward, backend=backend). If the compiled model did run, dynamo ran "
-                    "it eagerly (its recompile limit reached?)")
+                    "\n  compression off: torch.compile was given this backend, but no graph has been "
+                    "compiled. generate() on what torch.compile(model) returns runs the original, uncompiled "
+                    "module: use backend.compile(model), model.compile(backend=backend) or model.forward = "
+                    "torch.compile(model.forward, backend=backend). If the compiled model did run, dynamo "
+                    "ran it eagerly (its recompile limit reached?); kvpass warns about that when the model is "
+                    "called as a module (model(...), generate()), not when the compiled function is called "
+                    "directly")
+            if self._compile_saw:
+                return head
             return head + "\n  no attention site found yet (has the compiled model run?)"
         heads = ["heads"] if any("heads" in r for r in rows) else []  # tensor parallelism only
         cols = ["layer", *heads, "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
@@ -384,7 +377,8 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     """Build the backend: ``torch.compile(model, backend=kvpass(Quest(budget=1024)))``.
 
     Options:
-    - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact.
+    - ``strict`` (bool, default False): raise instead of warning when an attention site is left exact,
+      or when a watched forward ran none of the backend's graphs (compression off; kvpass/watch.py).
     - ``cache`` (bool, default True): let Inductor's FX graph and AOTAutograd caches serve compiled
       graphs across processes (keyed on the pass code, the policy, the options and the backend's
       handle, which is the same for the n-th backend of a policy in every process). What the pass

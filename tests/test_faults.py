@@ -121,3 +121,137 @@ def test_steps_a_site_never_saw_rebuild_its_metadata_from_the_cache():
     b = skipped.attend(0, q, k, k, None, torch.tensor([41]), 0.0, False)  # position 40 ran eagerly
     assert torch.equal(seen.state(0).last_idx, skipped.state(0).last_idx)
     torch.testing.assert_close(a, b)
+
+
+# -- model.forward = torch.compile(model.forward, backend=b): a forward dynamo ran eagerly says so ----------
+
+def _spent_limit():
+    """The one graph allowed is used up by another model first (its cache is its own: its eager steps are
+    exact), so this model's prefill, and so every step, runs eagerly."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(recompile_limit=1))
+    faults.generate(faults.tiny_model(3), faults.prompt(8), backend=kvpass(Full(), own_cache=False))
+    return stack
+
+
+EAGER_WAYS = {"recompile limit spent": _spent_limit,
+              "force_eager stance": lambda: torch.compiler.set_stance("force_eager")}
+
+
+def _run_recording(model, ids, backend, way=None):
+    import contextlib
+    import warnings
+
+    torch._dynamo.reset()
+    with contextlib.ExitStack() as stack:
+        if way is not None:
+            stack.enter_context(EAGER_WAYS[way]())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = faults.generate(model, ids, backend=backend)
+    return out, [str(w.message) for w in caught if "compression is off" in str(w.message)]
+
+
+@pytest.mark.parametrize("way", sorted(EAGER_WAYS))
+def test_a_compiled_forward_run_eagerly_warns_once_and_reports(way):
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    ref = faults.generate(model, ids)
+    backend = kvpass(Quest(budget=32, page_size=8))
+    out, said = _run_recording(model, ids, backend, way)
+    assert torch.equal(out, ref)  # uncompressed: eager's tokens
+    assert len(said) == 1, said  # once, though every forward ran eagerly
+    assert "a forward of LlamaForCausalLM ran none of kvpass's graphs" in said[0]
+    assert "dynamo ran it eagerly" in said[0] and "Fix:" in said[0]
+    assert "generate() on what torch.compile(model) returns" not in said[0]  # not the wrapper's message
+    assert backend.graph_calls() == 0 and backend.eager_forwards == faults.NEW
+    assert f"compression off for {faults.NEW} forward(s)" in backend.report()
+
+
+@pytest.mark.parametrize("way", sorted(EAGER_WAYS))
+def test_a_compiled_forward_run_eagerly_raises_under_strict(way):
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    backend = kvpass(Quest(budget=32, page_size=8), strict=True)
+    match = r"compression is off: a forward of LlamaForCausalLM .*dynamo ran it eagerly.*Fix: raise the"
+    with pytest.raises(KVPassError, match=match):
+        _run_recording(model, ids, backend, way)
+    assert backend.eager_forwards == 1  # the prefill: raised before any decode step
+
+
+def test_a_normally_compiled_forward_does_not_warn_even_under_strict():
+    import gc
+
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    first = kvpass(Quest(budget=32, page_size=8))
+    ref = faults.generate(model, ids, backend=first)
+    backend = kvpass(Quest(budget=32, page_size=8), strict=True)
+    out, said = _run_recording(model, ids, backend)
+    assert torch.equal(out, ref) and said == []
+    assert backend.graph_calls() == faults.NEW and backend.eager_forwards == 0 == first.eager_forwards
+    assert "compression off" not in backend.report()
+    assert len(model._forward_pre_hooks) == 2  # the two backends' watches, each quiet
+    del first
+    gc.collect()
+    _run_recording(model, ids, backend)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1  # a freed backend's watch goes
+
+
+def test_backends_compiling_one_module_in_turn_do_not_blame_each_other():
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    ref = faults.generate(model, ids)
+    a, b = kvpass(Full(), strict=True), kvpass(Full())
+    whole = kvpass(Full(), strict=True)
+    torch.compile(model, backend=whole)  # watches the whole module, as generate() on its wrapper is eager
+    out, said = _run_recording(model, ids, a)
+    assert torch.equal(out, ref) and said == [] and a.graph_calls() == faults.NEW
+    # b's compiled forward runs eagerly: b warns; a's and whole's watches see b's forward and keep quiet
+    out, said = _run_recording(model, ids, b, "force_eager stance")
+    assert torch.equal(out, ref) and len(said) == 1
+    assert (a.eager_forwards, b.eager_forwards, whole.eager_forwards) == (0, faults.NEW, 0)
+    # and a second time the other way round: a strict backend's forward compiled after b's
+    out, said = _run_recording(model, ids, a)
+    assert torch.equal(out, ref) and said == [] and a.graph_calls() == 2 * faults.NEW
+    assert b.eager_forwards == faults.NEW
+    # model.compile() by one backend, then another: only the one whose compiled call ran eagerly is named
+    c, d = kvpass(Full(), strict=True), kvpass(Full())
+    model.compile(backend=c)
+    model.compile(backend=d)
+    try:
+        with torch.compiler.set_stance("force_eager"), pytest.warns(UserWarning, match="compression is off"):
+            model.generate(ids, max_new_tokens=faults.NEW, min_new_tokens=faults.NEW, do_sample=False)
+    finally:
+        model._compiled_call_impl = None
+    assert (c.eager_forwards, d.eager_forwards) == (0, faults.NEW)
+
+
+def test_an_eager_model_run_is_not_blamed_on_a_forward_compiled_before():
+    # the forward restored (faults.generate puts the bound method back): the watch stays, and is quiet
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    backend = kvpass(Full(), strict=True)
+    faults.generate(model, ids, backend=backend)
+    _, said = _run_recording(model, ids, None)
+    assert said == [] and backend.eager_forwards == 0
+
+
+def test_backend_compile_watches_through_the_same_hooks():
+    model, ids = faults.tiny_model(layers=1), faults.prompt(40)
+    backend = kvpass(Full(), strict=True)
+    backend.compile(model)
+    try:
+        with torch.no_grad():
+            with torch.compiler.set_stance("force_eager"), pytest.raises(KVPassError, match="ran it eagerly"):
+                model(ids)
+            model(ids)
+    finally:
+        del model.forward
+    assert backend.eager_forwards == 1 and backend.graph_calls() == 1
+    assert len(model._forward_pre_hooks) == 1  # one watch, not one per way of compiling
+
+
+def test_torch_compile_disable_says_compression_is_off():
+    model = faults.tiny_model(layers=1)
+    with pytest.warns(UserWarning, match=r"compression is off: torch.compile.*disable=True"):
+        torch.compile(model.forward, backend=kvpass(Full()), disable=True)
+    with pytest.raises(KVPassError, match=r"disable=True.*Fix"):
+        torch.compile(model, backend=kvpass(Full(), strict=True), disable=True)

@@ -73,18 +73,36 @@ def recompile_limit(limit: int):
     return run
 
 
-def models_in_one_process(model, ids, policy):
-    """Two other models compiled first use up the recompile limit (it counts the graphs of every model
-    sharing forward's code): this model's prefill finds it spent and the whole generate runs eagerly.
-    Through ``torch.compile(model.forward)`` kvpass cannot see that call; ``report()`` says so."""
+def models_in_one_process(strict: bool):
+    def run(model, ids, policy):
+        """Two other models compiled first use up the recompile limit (it counts the graphs of every model
+        sharing forward's code): this model's prefill finds it spent and the whole generate runs eagerly,
+        through ``model.forward = torch.compile(model.forward, backend=...)``. The watch kvpass put on the
+        module reads that this backend compiles its forward, so it warns (raises under strict)."""
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=4):
+            for seed in (1, 2):
+                generate(tiny_model(seed), ids, backend=kvpass(Full(), own_cache=False))
+            backend = kvpass(policy, strict=strict)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = generate(model, ids, backend=backend)
+        said = [str(w.message) for w in caught if "compression is off" in str(w.message)]
+        reported = "compression off" in backend.report()
+        run.detail = ("warned, and report() says so: " + said[0]) if said and reported else ""
+        return out if run.detail else torch.zeros_like(out)  # silent: counted wrong
+    return run
+
+
+def force_eager_stance(model, ids, policy):
+    """``torch.compiler.set_stance("force_eager")`` around a generate through a compiled forward."""
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=4):
-        for seed in (1, 2):
-            generate(tiny_model(seed), ids, backend=kvpass(Full(), own_cache=False))
-        backend = kvpass(policy)
+    backend = kvpass(policy)
+    with torch.compiler.set_stance("force_eager"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = generate(model, ids, backend=backend)
-    said = [line.strip() for line in backend.report().splitlines() if "compression off" in line]
-    models_in_one_process.detail = ("report() says: " + said[0]) if said else ""
+    said = [str(w.message) for w in caught if "compression is off" in str(w.message)]
+    force_eager_stance.detail = "warned: " + said[0] if said else ""
     return out if said else torch.zeros_like(out)  # silent: counted wrong
 
 
@@ -238,23 +256,32 @@ def generate_on_torch_compile_module(strict: bool):
     return run
 
 
-def watched_compile_prefill_eager(strict: bool):
+def watched_compile_prefill_eager(strict: bool, how: str = "backend.compile"):
     def run(model, ids, policy):
-        """``backend.compile(model)`` when the recompile limit is spent before the prefill: the whole
-        generate runs eagerly; the watch warns (or raises under strict)."""
+        """``backend.compile(model)`` (or ``model.compile(backend=...)``) when the recompile limit is spent
+        before the prefill: the whole generate runs eagerly; the watch warns (or raises under strict)."""
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=1):
             # another model uses up the one graph allowed (its cache is its own: its eager steps are exact)
-            generate(tiny_model(3), ids[:, :8], backend=kvpass(Full(), own_cache=False))
+            other = tiny_model(3)
+            if how == "model.compile":  # _call_impl's code, and so its limit, is every module's
+                other.compile(backend=kvpass(Full(), own_cache=False))
+                other.generate(ids[:, :8], max_new_tokens=NEW, do_sample=False)
+            else:
+                generate(other, ids[:, :8], backend=kvpass(Full(), own_cache=False))
             backend = kvpass(policy, strict=strict)
             fwd = model.forward
-            backend.compile(model)
+            if how == "model.compile":
+                model.compile(backend=backend)
+            else:
+                backend.compile(model)
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
             finally:
                 model.forward = fwd
+                model._compiled_call_impl = None
         said = [str(w.message) for w in caught if "compression is off" in str(w.message)]
         run.detail = "warned: " + said[0] if said else ""
         return out if said else torch.zeros_like(out)  # silent: counted wrong
@@ -279,8 +306,13 @@ TRIGGERS = [
     Trigger("recompile_limit=2", "recompile_limit = 2 (a generate needs 2 graphs: prefill, symbolic decode)",
             recompile_limit(2), policies=('Quest',)),
     Trigger("models in one process", "two other models compiled first, recompile_limit = 4: the limit "
-            "counts every model's graphs of the shared forward code, so this one runs eagerly from its prefill "
-            "on (torch.compile(model.forward), no watch)", models_in_one_process, ref="eager",
+            "counts every model's graphs of the shared forward code, so this one runs eagerly from its "
+            "prefill on (model.forward = torch.compile(model.forward))", models_in_one_process(False),
+            ref="eager", policies=("Quest",)),
+    Trigger("models in one process, strict", "the same with kvpass(..., strict=True)",
+            models_in_one_process(True), policies=("Quest",)),
+    Trigger("force_eager stance", "torch.compiler.set_stance('force_eager') around generate through "
+            "model.forward = torch.compile(model.forward)", force_eager_stance, ref="eager",
             policies=("Quest",)),
     Trigger("uncompiled decode", "prefill compiled, decode steps under torch._dynamo.disable on the same cache",
             uncompiled_decode),
@@ -298,6 +330,9 @@ TRIGGERS = [
             "the whole generate runs eagerly", watched_compile_prefill_eager(False), ref="eager", policies=('Quest',)),
     Trigger("backend.compile, prefill eager, strict", "the same with kvpass(..., strict=True)",
             watched_compile_prefill_eager(True), policies=('Quest',)),
+    Trigger("model.compile, prefill eager", "model.compile(backend=...) with the recompile limit spent "
+            "(_call_impl's code is shared by every module): the whole generate runs eagerly",
+            watched_compile_prefill_eager(False, "model.compile"), ref="eager", policies=("Quest",)),
 ]
 
 POLICIES: list[Policy] = [Full(), Quest(budget=32, page_size=8)]

@@ -27,13 +27,25 @@ if TYPE_CHECKING:
     from kvpass.runtime.state import Runtime
 
 
-class GuardedGraph:
-    """``compiled(*args)`` with the checks above; ``calls`` counts the calls (for ``report()``)."""
+class CallCount:
+    """The calls of every graph of one backend: one counter, so that the backend's watch on a
+    compiled forward (kvpass/watch.py) compares one int per forward."""
 
-    def __init__(self, compiled: Callable, runtime: Runtime, busy: threading.RLock):
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class GuardedGraph:
+    """``compiled(*args)`` with the checks above; ``calls`` counts this graph's calls, ``tally`` those
+    of every graph of its backend."""
+
+    def __init__(self, compiled: Callable, runtime: Runtime, busy: threading.RLock, tally: CallCount):
         self.compiled = compiled
         self.runtime = runtime
         self.busy = busy  # shared by every graph of one backend
+        self.tally = tally  # likewise
         self.calls = 0
         self._owner: int | None = None
 
@@ -50,6 +62,7 @@ class GuardedGraph:
             args = [self._unwrap(a) if type(a) is CacheStub else a for a in args]
             out = self.compiled(*args)
             self.calls += 1
+            self.tally.n += 1
             return self._tag(out)
         finally:
             self.busy.release()
