@@ -47,6 +47,7 @@ def _greedy(forward, model, ids, new_tokens, **kw):
 
 
 # -- left padding ------------------------------------------------------------------------------------
+@torch._dynamo.config.patch(recompile_limit=64)  # batch sizes 1, 2 and 4 for every graph key on one forward
 def test_left_padded_batches_every_policy_equals_rows_alone():
     """Batches of 2 and 4 prompts of different lengths, left-padded: each row equals that row run alone
     with the same policy (tokens and logits), for every registered policy (tests/test_padded.py compares
