@@ -183,6 +183,16 @@ def build_policies(specs: str, budgets: list[int]):
 CALIBRATION_TOKENS = 4096
 
 
+def load_for_bench(args, policies: list) -> tuple:
+    """What a measurement command starts with: the model of ``--model``, the ``--out`` folder made, and
+    ``policies`` calibrated on the model where they need it. Returns ``(model, tokenizer, model name,
+    policies, out)``."""
+    out = Path(args.out)
+    model, tok, model_name = load_model(args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    return model, tok, model_name, calibrate_policies(policies, model, tok, out, progress=not args.no_progress), out
+
+
 def calibrate_policies(policies: list, model, tokenizer, out: Path, progress: bool) -> list:
     """Give every ``TailorKV(profile="auto")`` of the sweep one profile, computed offline as the paper
     does (the bench's shared exact prefill would otherwise leave "auto" a single decode query to

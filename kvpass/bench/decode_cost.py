@@ -814,7 +814,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvpass bench --decode-cost`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import parse_ints, calibrate_policies, load_model
+    from kvpass.bench.cli import load_for_bench, parse_ints
     from kvpass.bench.runner import load_results
 
     preset = QUICK if args.quick else DEFAULTS
@@ -829,11 +829,8 @@ def run(args: argparse.Namespace) -> int:
         threads = [default_threads] if args.quick else list(dict.fromkeys([1, default_threads]))
     policies = parse_policies(args.policies or DEFAULT_POLICIES)
     command = _command(args)
-    out = Path(args.out)
     t0 = time.perf_counter()
-    model, tok, model_name = load_model(args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    policies = calibrate_policies(policies, model, tok, out, progress=not args.no_progress)
+    model, tok, model_name, policies, out = load_for_bench(args, policies)
     run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
                     steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
                     model_name=model_name, command=command, progress=not args.no_progress)

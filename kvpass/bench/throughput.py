@@ -295,7 +295,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvpass bench --throughput`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import calibrate_policies, load_model, parse_ints
+    from kvpass.bench.cli import load_for_bench, parse_ints
     from kvpass.bench.decode_cost import parse_policies
 
     preset = QUICK if args.quick else DEFAULTS
@@ -308,11 +308,8 @@ def run(args: argparse.Namespace) -> int:
     threads = parse_ints(args.threads, "threads") if args.threads else [torch.get_num_threads()]
     policies = parse_policies(args.policies or DEFAULT_POLICIES)
     command = _command(args)
-    out = Path(args.out)
     t0 = time.perf_counter()
-    model, tok, model_name = load_model(args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    policies = calibrate_policies(policies, model, tok, out, progress=not args.no_progress)
+    model, tok, model_name, policies, out = load_for_bench(args, policies)
     rows = run_throughput(model, tok, policies, batches, lo, hi, out, threads=threads,
                           steps=args.steps or preset["steps"], warmup_steps=args.warmup_steps,
                           model_name=model_name, command=command, progress=not args.no_progress)

@@ -123,46 +123,15 @@ class RowSplit:
             p.steps += 1
 
     # -- steps -----------------------------------------------------------------------------------
-    def forward_owned(self, q, k_new, v_new, attn_mask, scale, is_causal, adopt=None) -> torch.Tensor:
-        """A step of an owned site: each row's state appends its real tokens and attends. ``adopt``:
-        ``(past_k, past_v)`` of a real cache filled outside kvpass, adopted row by row."""
-        batch, t, past = q.shape[0], k_new.shape[2], self.length
+    def _each_row(self, q: torch.Tensor, t: int, dv: int, step) -> torch.Tensor:
+        """Run ``step(b, sub, f, s)`` for every row (``f``: its first real position, ``s``: this step's
+        padding tokens of the row, a prefill's) and assemble the ``(B, H_q, t, dv)`` output; the padding
+        queries of a prefill get zeros (finite: later layers mask their keys)."""
+        batch, past = q.shape[0], self.length
         if batch != len(self.subs):
             raise KVPassError(f"kvpass: the batch changed from {len(self.subs)} to {batch} rows mid-sequence "
                               "in a way kvpass cannot follow (only beam search's reorder is followed)")
-        out = q.new_zeros((batch, q.shape[1], t, v_new.shape[3])) if t > 1 else None
-        outs = []
-        for b, sub in enumerate(self.subs):
-            f = self.first[b]
-            s = max(0, f - past)  # this step's padding tokens of the row (a prefill's)
-            if s >= t:
-                raise KVPassError(
-                    "kvpass: a chunk holds only padding for a batch row that has not started; prefill a "
-                    "padded batch in one forward, or in chunks longer than its padding"
-                )
-            row_past = max(0, past - f)
-            if adopt is not None and row_past:
-                pk, pv = adopt[0][b : b + 1, :, f:], adopt[1][b : b + 1, :, f:]
-            else:
-                pk = self._stub(sub, k_new[b : b + 1], row_past)
-                pv = self._stub(sub, v_new[b : b + 1], row_past)
-            o = sub.forward_owned(q[b : b + 1, :, s:], k_new[b : b + 1, :, s:], v_new[b : b + 1, :, s:], pk, pv,
-                                  _row_mask(attn_mask, b, s, f), scale, is_causal)
-            if out is None:
-                outs.append(o)
-            else:
-                out[b : b + 1, :, s:] = o
-        self._account(t)
-        return torch.cat(outs, 0) if out is None else out
-
-    def forward(self, call: AttentionCall, static: bool) -> torch.Tensor:
-        """A step of a site whose cache the model keeps (``call.k (B, H_kv, S, D)``, left-padded)."""
-        q, t, past = call.q, call.new_tokens, call.past
-        batch = q.shape[0]
-        if batch != len(self.subs):
-            raise KVPassError(f"kvpass: the batch changed from {len(self.subs)} to {batch} rows mid-sequence "
-                              "in a way kvpass cannot follow (only beam search's reorder is followed)")
-        out = q.new_zeros((batch, q.shape[1], t, call.v.shape[3])) if t > 1 else None
+        out = q.new_zeros((batch, q.shape[1], t, dv)) if t > 1 else None
         outs = []
         for b, sub in enumerate(self.subs):
             f = self.first[b]
@@ -172,16 +141,42 @@ class RowSplit:
                     "kvpass: a chunk holds only padding for a batch row that has not started; prefill a "
                     "padded batch in one forward, or in chunks longer than its padding"
                 )
-            row = _make_call(q[b : b + 1, :, s:], call.k[b : b + 1, :, f:], call.v[b : b + 1, :, f:],
-                             _row_mask(call.attn_mask, b, s, f), call.scale, call.is_causal, call.length - f,
-                             0 if self.fresh and past else -1)
-            o = sub.forward(row, static=static)
+            o = step(b, sub, f, s)
             if out is None:
                 outs.append(o)
             else:
                 out[b : b + 1, :, s:] = o
         self._account(t)
         return torch.cat(outs, 0) if out is None else out
+
+    def forward_owned(self, q, k_new, v_new, attn_mask, scale, is_causal, adopt=None) -> torch.Tensor:
+        """A step of an owned site: each row's state appends its real tokens and attends. ``adopt``:
+        ``(past_k, past_v)`` of a real cache filled outside kvpass, adopted row by row."""
+        past = self.length
+
+        def step(b, sub, f, s):
+            row_past = max(0, past - f)
+            if adopt is not None and row_past:
+                pk, pv = adopt[0][b : b + 1, :, f:], adopt[1][b : b + 1, :, f:]
+            else:
+                pk = self._stub(sub, k_new[b : b + 1], row_past)
+                pv = self._stub(sub, v_new[b : b + 1], row_past)
+            return sub.forward_owned(q[b : b + 1, :, s:], k_new[b : b + 1, :, s:], v_new[b : b + 1, :, s:], pk, pv,
+                                     _row_mask(attn_mask, b, s, f), scale, is_causal)
+
+        return self._each_row(q, k_new.shape[2], v_new.shape[3], step)
+
+    def forward(self, call: AttentionCall, static: bool) -> torch.Tensor:
+        """A step of a site whose cache the model keeps (``call.k (B, H_kv, S, D)``, left-padded)."""
+        q, past = call.q, call.past
+
+        def step(b, sub, f, s):
+            row = _make_call(q[b : b + 1, :, s:], call.k[b : b + 1, :, f:], call.v[b : b + 1, :, f:],
+                             _row_mask(call.attn_mask, b, s, f), call.scale, call.is_causal, call.length - f,
+                             0 if self.fresh and past else -1)
+            return sub.forward(row, static=static)
+
+        return self._each_row(q, call.new_tokens, call.v.shape[3], step)
 
     def fetch(self, q: torch.Tensor, past: int) -> None:
         for b, sub in enumerate(self.subs):
