@@ -195,7 +195,9 @@ def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
     host sync on CUDA; on CPU a failed check raises at once)."""
     k = call.k
     prev = st.tail_key
-    if prev is not None and prev.shape[0] > 1 and prev.shape[0] == k.shape[0] and 0 < call.past <= k.shape[2]:
+    # only a step that continues the last one (the same decode step run again, as opcheck does, is not)
+    if (prev is not None and prev.shape[0] > 1 and prev.shape[0] == k.shape[0] and call.past == st.length
+            and 0 < call.past <= k.shape[2]):
         try:
             torch._assert_async((k[:, :, call.past - 1] == prev).all(), REORDERED)
         except RuntimeError as e:
