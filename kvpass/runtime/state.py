@@ -202,7 +202,8 @@ def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
             torch._assert_async((k[:, :, call.past - 1] == prev).all(), REORDERED)
         except RuntimeError as e:
             raise KVPassError(f"{REORDERED} ({st.policy.name}, layer {st.info.layer})") from e
-    st.tail_key = k[:, :, call.length - 1].clone()
+    # a batch of one cannot be reordered: no copy per step (row states of a padded batch are batch 1)
+    st.tail_key = k[:, :, call.length - 1].clone() if k.shape[0] > 1 else None
 
 
 REORDERED = (
