@@ -269,3 +269,78 @@ def test_paged_reference_equals_token_reference(b, h_kv, g, page_size, pages_cap
     want = sparse_decode_attention_ref(q, k[:, :, :length], v[:, :, :length], idx=idx)
     got = paged_decode_attention_ref(q, k, v, pages, page_size, length)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@given(
+    b=st.integers(1, 3),
+    h_kv=st.integers(1, 3),
+    g=st.sampled_from([1, 3]),
+    s=st.integers(2, 80),
+    data=st.data(),
+)
+def test_segments_equal_the_token_reference(b, h_kv, g, s, data):
+    """StreamingLLM's CPU path (SDPA per range, merged by log-sum-exp) equals the token-index reference
+    given the ranges' positions, for one or two ranges anywhere in the cache."""
+    from kvpass.kernels.sparse_attention import segments_decode_attention
+
+    d = 16
+    cut = sorted(data.draw(st.lists(st.integers(0, s), min_size=4, max_size=4)))
+    ranges = [(lo, hi) for lo, hi in ((cut[0], cut[1]), (cut[2], cut[3])) if hi > lo]
+    assume(ranges)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q = torch.randn(b, h_kv * g, d, generator=gen)
+    k = torch.randn(b, h_kv, s, d, generator=gen) * 3
+    v = torch.randn(b, h_kv, s, d, generator=gen)
+    idx = torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).expand(b, h_kv, -1)
+    want = naive_attention(q, k, v, idx, scale=0.3)
+    got = segments_decode_attention(q, k, v, ranges, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_fp32_cpu_path_counts_duplicates_and_masks_everything(dense):
+    """The fp32 CPU path, gathered (few positions) and masked dense (many): a duplicate counts twice,
+    a row with no valid position gives zeros, and a bias of -inf masks."""
+    from kvpass.kernels.sparse_attention import DENSE_FROM
+
+    S, n = (12, 9) if dense else (30, 4)
+    assert (n >= DENSE_FROM * S) == dense
+    q, k, v = _inputs(S=S)
+    idx = torch.full((1, 2, n), -1)
+    idx[0, 0, :4] = torch.tensor([5, 5, 2, 7])  # KV head 1 has no valid position
+    bias = torch.zeros(1, 2, S)
+    bias[0, 0, 7] = float("-inf")
+    out = sparse_decode_attention_ref(q, k, v, idx, bias)
+    s5 = q[0, :3] @ k[0, 0, 5] / 8.0  # the default scale 1/sqrt(64)
+    s2 = q[0, :3] @ k[0, 0, 2] / 8.0
+    w5, w2 = 2 * s5.exp(), s2.exp()
+    want = (w5[:, None] * v[0, 0, 5] + w2[:, None] * v[0, 0, 2]) / (w5 + w2)[:, None]
+    torch.testing.assert_close(out[0, :3], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
+
+
+def test_workspace_reuse_gives_the_same_output_and_never_aliases_it():
+    """The CPU path's gathered rows go into reused buffers: outputs equal those of fresh allocations
+    through a shrinking and a growing selection, on every path (tokens, pages, ranges), and no output
+    shares the workspace's memory."""
+    from kvpass.kernels.sparse_attention import segments_decode_attention
+    from kvpass.runtime.state import Workspace
+
+    ws = Workspace()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _inputs(B=2, S=64)
+    outs = []
+    for n in (5, 3, 12):
+        idx = torch.stack([torch.randperm(64, generator=gen)[:n] for _ in range(4)]).view(2, 2, n)
+        pages = torch.stack([torch.randperm(16, generator=gen)[: (n + 3) // 4] for _ in range(4)]).view(2, 2, -1)
+        for fn in (
+            lambda w: sparse_decode_attention_ref(q, k, v, idx, None, 0.2, workspace=w),
+            lambda w: paged_decode_attention_ref(q, k, v, pages, 4, 61, 0.2, workspace=w),
+            lambda w: segments_decode_attention(q, k, v, [(0, 2), (60, 64)], 0.2, idx.clamp(2, 59), w),
+        ):
+            want, got = fn(None), fn(ws)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            outs.append(got)
+    assert ws.nbytes() > 0
+    held = [b.untyped_storage().data_ptr() for b in ws._bufs.values()]
+    assert all(o.untyped_storage().data_ptr() not in held for o in outs)

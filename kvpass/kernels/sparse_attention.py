@@ -333,6 +333,92 @@ def sparse_decode_attention(
     return out
 
 
+# The gathered path reads the selected rows twice (the gather's copy, then SDPA) and writes them once; the
+# masked dense path reads every row once: it is the cheaper one from a third of the rows on
+DENSE_FROM = 1 / 3
+
+
+def use_dense(n: int, length: int) -> bool:
+    """Whether attending ``n`` listed positions of a ``length``-token cache is cheaper with a mask over the
+    whole cache than with a gather (see ``DENSE_FROM``)."""
+    return n >= DENSE_FROM * length
+
+
+def _decode_sdpa(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch.Tensor:
+    """The fp32 CPU path of :func:`sparse_decode_attention_ref`: one SDPA call whose rows are the query
+    heads of a KV head (``(B, H_kv, G, D)``), over the gathered positions, or over the whole cache with a
+    mask when the index list holds at least ``DENSE_FROM`` of it. A position listed m times is given
+    bias ``log m`` in the mask, which is what listing it m times does to the softmax. Rows with nothing
+    valid give 0 (SDPA's CPU kernels return 0 for a row masked everywhere)."""
+    import torch.nn.functional as F
+
+    B, H_q, D = q.shape
+    _, H_kv, S, _ = k.shape
+    qg = q.reshape(B, H_kv, H_q // H_kv, D)
+    if idx is None:
+        mask = None if bias is None else bias.float()[:, :, None, :]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, H_q, v.shape[3])
+    pos = idx.long()
+    valid = (pos >= 0) & (pos < S)
+    if use_dense(pos.shape[2], S) if dense is None else dense:
+        counts = torch.zeros((B, H_kv, S + 1), dtype=torch.float32, device=q.device)
+        counts.scatter_add_(2, torch.where(valid, pos, S), _ones(q, pos.shape))
+        mask = counts[:, :, :S].log_()  # -inf where not listed
+        if bias is not None:
+            mask.add_(bias)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, :, None, :], scale=scale)
+        return out.reshape(B, H_q, v.shape[3])
+    pos = torch.where(valid, pos, 0)
+    ks, vs = _gather_pair(k, v, pos, workspace)
+    if bias is None:
+        mask = valid[:, :, None, :]
+    else:
+        mask = torch.gather(bias.float(), 2, pos).masked_fill_(~valid, float("-inf"))[:, :, None, :]
+    out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scale)
+    return out.reshape(B, H_q, v.shape[3])
+
+
+def _ones(like: torch.Tensor, shape) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=like.device).expand(shape)
+
+
+def _gather_pair(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, workspace=None):
+    """:func:`_gather_rows` of k and v, with one row index when their layouts agree (a cache's k and v),
+    into ``workspace`` buffers when one is given."""
+    if k.shape[:3] == v.shape[:3] and k.stride()[:3] == v.stride()[:3]:
+        rows = _row_index(k, pos)
+        if rows is not None:
+            n = pos.shape[2]
+            return _take_rows(k, rows, n, workspace, "k"), _take_rows(v, rows, n, workspace, "v")
+    return _gather_rows(k, pos), _gather_rows(v, pos)
+
+
+def _row_index(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+    """Flat row numbers of ``x[b, h, pos]`` in x viewed as one table of rows, or None for a layout
+    that is not one (see :func:`_gather_rows`)."""
+    B, H, S, _ = x.shape
+    sb, sh, ss, _ = x.stride()
+    if not (S > 0 and ss > 0 and sb % ss == 0 and sh % ss == 0 and x.numel() > 0):
+        return None
+    base = torch.arange(B * H, device=x.device).view(B, H)
+    if sb != H * sh:  # b and h not one run of rows (a slice of a bigger batch)
+        base = torch.arange(B, device=x.device)[:, None] * (sb // ss) + torch.arange(H, device=x.device) * (sh // ss)
+        return (base[:, :, None] + pos).reshape(-1)
+    return (base[:, :, None] * (sh // ss) + pos).reshape(-1)
+
+
+def _take_rows(x: torch.Tensor, rows: torch.Tensor, n: int, workspace=None, name: str = "") -> torch.Tensor:
+    B, H, S, D = x.shape
+    sb, sh, ss, sd = x.stride()
+    n_rows = (B - 1) * (sb // ss) + (H - 1) * (sh // ss) + S  # last row ends at x's last element
+    table = x.as_strided((n_rows, D), (ss, sd), x.storage_offset())
+    if workspace is None:
+        return table.index_select(0, rows).view(B, H, n, D)
+    out = workspace("gather_" + name, (rows.numel(), D), x.dtype, x.device)
+    return torch.index_select(table, 0, rows, out=out).view(B, H, n, D)
+
+
 def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``x[b, h, pos[b, h, n], :]`` for x ``(B, H, S, D)`` and pos ``(B, H, N)`` int64 in ``[0, S)``.
 
@@ -341,16 +427,10 @@ def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     faster on CPU than ``torch.gather`` with an index expanded over D. Other layouts use advanced
     indexing.
     """
-    B, H, S, D = x.shape
-    N = pos.shape[2]
-    sb, sh, ss, sd = x.stride()
-    if S > 0 and ss > 0 and sb % ss == 0 and sh % ss == 0 and x.numel() > 0:
-        row_b = torch.arange(B, device=x.device) * (sb // ss)
-        row_h = torch.arange(H, device=x.device) * (sh // ss)
-        rows = (row_b[:, None, None] + row_h[None, :, None] + pos).reshape(-1)
-        n_rows = (B - 1) * (sb // ss) + (H - 1) * (sh // ss) + S  # last row ends at x's last element
-        table = x.as_strided((n_rows, D), (ss, sd), x.storage_offset())
-        return table.index_select(0, rows).view(B, H, N, D)
+    B, H = x.shape[:2]
+    rows = _row_index(x, pos)
+    if rows is not None:
+        return _take_rows(x, rows, pos.shape[2])
     bi = torch.arange(B, device=x.device)[:, None, None]
     hi = torch.arange(H, device=x.device)[None, :, None]
     return x[bi, hi, pos]
@@ -363,8 +443,15 @@ def sparse_decode_attention_ref(
     idx: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     scale: float | None = None,
+    workspace=None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """Plain-torch :func:`sparse_decode_attention` (fp32 accumulation); the CPU decode path.
+
+    ``workspace(name, shape, dtype, device) -> Tensor``, optional: scratch buffers reused between calls
+    for the gathered rows (the runtime's :class:`kvpass.runtime.state.Workspace`); None allocates.
+    ``dense``: attend the whole cache with a mask instead of gathering (fp32 CPU path); None chooses by
+    :func:`use_dense`.
 
     Shapes as in :func:`sparse_decode_attention`: q ``(B, H_q, D)``, k ``(B, H_kv, S, D)``,
     v ``(B, H_kv, S, Dv)``, idx ``(B, H_kv, N)`` or None, bias ``(B, H_kv, S)`` or None;
@@ -381,6 +468,8 @@ def sparse_decode_attention_ref(
     if N == 0 or B == 0 or H_q == 0:
         return q.new_zeros((B, H_q, Dv))
 
+    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and S > 0:
+        return _decode_sdpa(q, k, v, idx, bias, scale, workspace, dense)
     qf = q.reshape(B, H_kv, G, D).float()  # query heads grouped by the KV head they read
     if idx is None:
         ks, vs, bs, valid = k, v, bias, None
@@ -406,6 +495,48 @@ def sparse_decode_attention_ref(
     return out.reshape(B, H_q, Dv).to(q.dtype)
 
 
+def segments_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[tuple[int, int]],
+    scale: float,
+    idx: torch.Tensor | None = None,
+    workspace=None,
+) -> torch.Tensor:
+    """:func:`sparse_decode_attention_ref` over a few ranges ``[lo, hi)`` of positions shared by every row
+    and head (StreamingLLM's sinks and window, ClusterKV's sinks and recent tokens), plus the positions
+    ``idx (B, H_kv, N)`` (-1: padding) gathered as usual: SDPA on each range's view, which copies
+    nothing, and on the gathered rows, merged by their log-sum-exps. CPU, fp32. q ``(B, H_q, D)``; k, v
+    ``(B, H_kv, S, D)``; returns ``(B, H_q, Dv)``. Ranges must be non-empty, and disjoint from each other
+    and from ``idx``."""
+    B, H_q, D = q.shape
+    H_kv = k.shape[1]
+    qg = q.reshape(B, H_kv, H_q // H_kv, D)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    parts = [flash(qg, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, scale=scale) for lo, hi in segments]
+    if idx is not None and idx.shape[2]:
+        pos = idx.long()
+        valid = (pos >= 0) & (pos < k.shape[2])
+        ks, vs = _gather_pair(k, v, torch.where(valid, pos, 0), workspace)
+        mask = torch.where(valid, 0.0, float("-inf"))[:, :, None, :]  # this op takes float masks only
+        parts.append(flash(qg, ks, vs, 0.0, False, attn_mask=mask, scale=scale))
+    if len(parts) == 1:
+        return parts[0][0].reshape(B, H_q, v.shape[3])
+    lse = torch.stack([p[1] for p in parts])  # (n, B, H_kv, G); -inf for a part with nothing valid
+    w = torch.softmax(lse, dim=0)  # each part's share of the softmax mass
+    out = torch.stack([p[0] for p in parts]).mul_(w[..., None]).sum(0)
+    return out.reshape(B, H_q, v.shape[3])
+
+
+def _take_pages(x: torch.Tensor, rows: torch.Tensor, page_size: int, workspace, name: str) -> torch.Tensor:
+    table = x.view(-1, page_size * x.shape[3])
+    if workspace is None:
+        return table.index_select(0, rows)
+    out = workspace("gather_" + name, (rows.numel(), table.shape[1]), x.dtype, x.device)
+    return torch.index_select(table, 0, rows, out=out)
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -414,6 +545,8 @@ def paged_decode_attention_ref(
     page_size: int,
     length: int,
     scale: float | None = None,
+    workspace=None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
     """:func:`sparse_decode_attention_ref` for selections made of whole pages (Quest): one gather
     row per page instead of per token, the CPU fast path.
@@ -434,13 +567,26 @@ def paged_decode_attention_ref(
     G, n = H_q // H_kv, pages.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    fp32 = q.dtype == k.dtype == v.dtype == torch.float32
+    if fp32 and (use_dense(n * page_size, length) if dense is None else dense):
+        # most of the cache is selected: every token once, with a mask (see _decode_sdpa)
+        counts = torch.zeros((B, H_kv, C // page_size), dtype=torch.float32, device=q.device)
+        counts.scatter_add_(2, pages.long(), _ones(q, pages.shape))
+        mask = counts.log_().repeat_interleave(page_size, dim=2)[:, :, None, :length]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(B, H_kv, G, D), k[:, :, :length], v[:, :, :length], attn_mask=mask, scale=scale)
+        return out.reshape(B, H_q, Dv)
     per_head = C // page_size
     rows = (torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1) * per_head + pages).reshape(-1)
-    ks = k.view(-1, page_size * D).index_select(0, rows).view(B, H_kv, n * page_size, D)
-    vs = v.view(-1, page_size * Dv).index_select(0, rows).view(B, H_kv, n * page_size, Dv)
-    pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).view(B, H_kv, 1, -1)
+    ks = _take_pages(k, rows, page_size, workspace, "k").view(B, H_kv, n * page_size, D)
+    vs = _take_pages(v, rows, page_size, workspace, "v").view(B, H_kv, n * page_size, Dv)
+    live = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).view(B, H_kv, 1, -1) < length
+    if fp32:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(B, H_kv, G, D), ks, vs, attn_mask=live, scale=scale)
+        return out.reshape(B, H_q, Dv)
     qf = q.reshape(B, H_kv, G, D).float()
     scores = torch.matmul(qf, ks.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G, n * page_size)
-    scores.masked_fill_(pos >= length, float("-inf"))
+    scores.masked_fill_(~live, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.matmul(p, vs.float()).reshape(B, H_q, Dv).to(q.dtype)

@@ -21,11 +21,15 @@ def sparse_attention(
     idx: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
+    workspace=None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
-    """(B, H_q, D) attention over ``idx`` (B, H_kv, N) positions of ``k, v`` (B, H_kv, S, D)."""
+    """(B, H_q, D) attention over ``idx`` (B, H_kv, N) positions of ``k, v`` (B, H_kv, S, D); ``workspace``:
+    the CPU path's scratch (see :func:`kvpass.kernels.sparse_attention.sparse_decode_attention_ref`)."""
     if _use_triton(q):
         return sa.sparse_decode_attention(q, k, v, idx=idx, bias=bias, scale=scale)
-    return sa.sparse_decode_attention_ref(q, k, v, idx=idx, bias=bias, scale=scale)
+    return sa.sparse_decode_attention_ref(q, k, v, idx=idx, bias=bias, scale=scale, workspace=workspace,
+                                          dense=dense)
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: int) -> torch.Tensor:

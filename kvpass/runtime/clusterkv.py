@@ -280,6 +280,7 @@ class ClusterState(SiteState):
         plan = self.plan if self.offloading else self._plan(call.q, call.length)
         if plan is None:
             return None
+        self._plan_of_step = plan
         n_sinks, picked, n_recent = plan
         b, h_kv = call.k.shape[:2]
         dev = picked.device if picked is not None else call.k.device
@@ -365,7 +366,17 @@ class ClusterState(SiteState):
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
         if not self.offloading:
-            return super().attend_selected(call, idx)
+            q = call.q
+            if q.device.type != "cpu" or q.dtype != torch.float32 or call.k.dtype != q.dtype or call.valid is not None:
+                return super().attend_selected(call, idx)
+            # the sinks and the recent tokens are two ranges of the cache, attended in place; only the
+            # recalled clusters' tokens are gathered
+            from kvpass.kernels.sparse_attention import segments_decode_attention
+
+            n_sinks, picked, n_recent = self._plan_of_step
+            ranges = [r for r in ((0, n_sinks), (call.length - n_recent, call.length)) if r[1] > r[0]]
+            return segments_decode_attention(q[:, :, 0], call.k_logical, call.v_logical, ranges, call.scale,
+                                             picked, self.workspace).unsqueeze(2)
         from kvpass.lowering.dispatch import sparse_attention
 
         n_sinks, picked, n_recent = self.plan

@@ -30,6 +30,18 @@ class StreamingState(SiteState):
         idx = torch.cat([sink_idx, recent], dim=1)
         return idx[:, None, :].expand(batch, h_kv, -1)
 
+    def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        q = call.q
+        if not (q.device.type == "cpu" and q.dtype == call.k.dtype == torch.float32 and call.valid is None):
+            return super().attend_selected(call, idx)
+        # no padding: the selection is two ranges of the cache, attended in place
+        from kvpass.kernels.sparse_attention import segments_decode_attention
+
+        sinks, length = self.policy.sinks, call.length
+        ranges = [(0, sinks)] if sinks else []
+        ranges.append((length - self.policy.window, length))
+        return segments_decode_attention(q[:, :, 0], call.k, call.v, ranges, call.scale).unsqueeze(2)
+
 
 def _unopened(meta: torch.Tensor) -> None:
     """Quest metadata ``[max | min]`` of pages with no token yet: -inf | +inf, the identity of a merge."""
@@ -108,7 +120,7 @@ class QuestState(SiteState):
         meta = self.meta[:, :, :pages]
         if self.policy.gqa == "sum":
             # the bound is linear in q: the group's sum is one product with the summed query
-            return (meta * qq.sum(2)[:, :, None, :]).sum(-1)
+            return torch.matmul(meta, qq.sum(2)[..., None])[..., 0]
         return torch.matmul(qq, meta.transpose(-1, -2)).amax(2)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
@@ -138,6 +150,7 @@ class QuestState(SiteState):
         from kvpass.kernels.sparse_attention import paged_decode_attention_ref
 
         out = paged_decode_attention_ref(
-            call.q[:, :, 0], store.k, store.v, self.pages, self.policy.page_size, call.length, call.scale
+            call.q[:, :, 0], store.k, store.v, self.pages, self.policy.page_size, call.length, call.scale,
+            self.workspace, self.choose_dense(self.pages.shape[2] * self.policy.page_size, call.length),
         )
         return out.unsqueeze(2)

@@ -34,6 +34,28 @@ def _range(name: str):
     return contextlib.nullcontext()
 
 
+class Workspace:
+    """Scratch tensors a decode step reuses instead of allocating (the gathered keys and values of a
+    selection): on CPU a fresh tensor of a few MB pays its page faults at every step, which at batch 8
+    cost more than the gather itself (docs/design.md, "Decode attention on CPU"). One workspace serves
+    every site of a Runtime, which run one after another; what it holds is a step's scratch, never
+    state: nothing a step returns aliases it."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(n, dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
 class KVPassError(RuntimeError):
     """A request kvpass cannot serve correctly; the message names the fix."""
 
@@ -90,6 +112,8 @@ class AttentionCall:
 
     def exact(self) -> torch.Tensor:
         """Exactly the attention the model asked for (same inputs, same mask)."""
+        if self.q.shape[2] == 1 and self.group > 1 and not self.is_causal and _mask_folds(self.attn_mask):
+            return _grouped_decode(self.q, self.k, self.v, self.attn_mask, self.scale)
         return F.scaled_dot_product_attention(
             self.q,
             self.k,
@@ -107,6 +131,22 @@ class AttentionCall:
         bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.valid.device)
         bias.masked_fill_(~self.valid, -math.inf)
         return bias[:, None, :].expand(-1, self.k.shape[1], -1)
+
+
+def _mask_folds(attn_mask: torch.Tensor | None) -> bool:
+    """Whether an SDPA mask is shared by the query heads and the one query (see :func:`_grouped_decode`)."""
+    return attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1)
+
+
+def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
+    """One decode query per head, ``q (B, H_q, 1, D)``, over ``k, v (B, H_kv, S, D)``: the query heads of a
+    KV head become that head's rows, ``(B, H_kv, G, D)``, so SDPA reads each KV head once for its whole
+    group. The same attention as ``enable_gqa``, each row computed alone (no causal mask with one query),
+    and faster on CPU (docs/design.md, "Decode attention on CPU")."""
+    b, h_q, _, d = q.shape
+    h_kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, h_kv, h_q // h_kv, d), k, v, attn_mask=attn_mask, scale=scale)
+    return out.view(b, h_q, 1, v.shape[3])
 
 
 def mask_row(attn_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -323,6 +363,7 @@ class SiteState:
         self.steps = 0  # decode steps since the sequence started
         self.keys_seen = 0  # keys [0, keys_seen) were checked for NaN/Inf or passed on purpose (check_keys)
         self.tail_key: torch.Tensor | None = None  # (B, H_kv, D) the newest key of a model-kept cache
+        self.dense_path: bool | None = None  # the CPU attention path of the last step (choose_dense)
 
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
@@ -409,9 +450,31 @@ class SiteState:
         from kvpass.lowering.dispatch import sparse_attention
 
         out = sparse_attention(
-            call.q[:, :, 0], call.k_logical, call.v_logical, idx, call.padding_bias(), call.scale
+            call.q[:, :, 0], call.k_logical, call.v_logical, idx, call.padding_bias(), call.scale, self.workspace,
+            self.choose_dense(idx.shape[2], call.length),
         )
         return out.unsqueeze(2)
+
+    def choose_dense(self, n: int, length: int) -> bool:
+        """Whether the CPU path attends ``n`` selected positions of ``length`` with a mask over the whole
+        cache rather than a gather (:func:`kvpass.kernels.sparse_attention.use_dense`). The choice flips
+        once as a sequence grows past three times its selection: that step runs other ops, so it counts
+        as a scheduled event."""
+        from kvpass.kernels.sparse_attention import use_dense
+
+        dense = use_dense(n, length)
+        if self.dense_path is not None and dense != self.dense_path:
+            self.events += 1
+        self.dense_path = dense
+        return dense
+
+    @property
+    def workspace(self) -> Workspace:
+        """The scratch of the Runtime's sites (or of this state's batch row)."""
+        ws = self.shared.get("workspace")
+        if ws is None:
+            ws = self.shared["workspace"] = Workspace()
+        return ws
 
     def _follow_reorder(self) -> None:
         rows = self.store.reordered
