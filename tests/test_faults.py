@@ -19,12 +19,23 @@ def refs():
     return {}  # reference tokens by policy, compiled once for the module
 
 
+# Triggers whose outcome a cheaper default test of this file asserts the same way (`make test-all` runs
+# them here too): the recompile limit spent by another model, warned and raised under strict
+# (test_a_compiled_forward_run_eagerly_*[recompile limit spent], one other model instead of two); the
+# force_eager stance on a compiled forward (test_a_compiled_forward_run_eagerly_warns_once_and_reports[
+# force_eager stance], the same run); backend.compile with the forward run eagerly under strict
+# (test_backend_compile_watches_through_the_same_hooks).
+COVERED = {"models in one process", "models in one process, strict", "force_eager stance",
+           "backend.compile, prefill eager, strict"}
+
+
 def _case(trigger, policy):
     # A trigger run under Full and Quest ends the same way for both (the same refusal): `make test`
     # runs the compressing one, `make test-all` both.
     both = {"Full", "Quest"} <= set(trigger.policies)
+    slow = (both and policy.name == "Full") or trigger.name in COVERED
     return pytest.param(trigger, policy, id=f"{trigger.name}-{policy.name}",
-                        marks=pytest.mark.slow if both and policy.name == "Full" else ())
+                        marks=pytest.mark.slow if slow else ())
 
 
 @pytest.mark.parametrize(("trigger", "policy"), [_case(t, p) for t, p in faults.cases()])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvpass import CentroidKV, ClusterKV, KVPassError, Quest, TailorKV, kvpass
-from families import SMALL, left_padded
+from families import SMALL, by_graph_key, left_padded
 from tiny import prompt, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread", "many_graphs")
@@ -77,36 +77,45 @@ def padded_model():
     return tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
 
 
-@pytest.mark.parametrize("name", SPLIT)
-def test_rows_select_and_answer_what_each_prompt_alone_does(padded_model, name):
+def test_rows_select_and_answer_what_each_prompt_alone_does(padded_model):
     """A batch of 3 prompts of 31, 19 and 26 tokens (compressing budgets: every row selects) equals each
-    prompt alone: the same positions selected (or slots merged) at every site and step, the same tokens,
-    logits within rounding; the report has each row's own bytes, equal to the alone run's."""
-    model, policy = padded_model, SMALL[name]
+    prompt alone, for every policy of SPLIT: the same positions selected (or slots merged) at every site
+    and step, the same tokens, logits within rounding; the report has each row's own bytes, equal to the
+    alone run's. One compile per graph key: the policies of a key are swapped in with ``set_policy``."""
+    model = padded_model
     rows = [prompt(n, seed=40 + n)[0] for n in (31, 19, 26)]
-    be = kvpass(policy, strict=True)
-    fwd = torch.compile(model.forward, backend=be)
     ids, mask = left_padded(rows)
-    out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
-    batch_rows = be.report_rows()
-    assert all(len(r["rows"]) == 3 for r in batch_rows), "every site reports each batch row"
-    assert all(r["device_bytes_per_row"] == max(x["device_bytes"] for x in r["rows"]) for r in batch_rows)
-    compressing = 0
-    for i, r in enumerate(rows):
-        be.set_policy(policy)  # fresh site states, as the batch's rows had (buffer capacities included)
-        alone, alone_steps = _generate(model, fwd, r[None], be)
-        assert torch.equal(out.sequences[i, -NEW:], alone.sequences[0, -NEW:]), f"row {i}: tokens"
-        for x, y in zip(out.logits, alone.logits):
-            torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=1e-4)
-        for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
-            for site in sb:
-                assert _same(sb[site][i], sa[site][0]), f"row {i}, step {step}, site {site}: selection differs"
-                compressing += sb[site][i][0] != "all"
-        for rb, ra in zip(batch_rows, be.report_rows()):
-            for key in ("device_bytes", "host_bytes", "tokens_held"):
-                assert rb["rows"][i][key] == ra[key], f"row {i}: {key} differ from alone"
-            assert rb["rows"][i]["tokens"] == len(r) + NEW - 1
-    assert compressing, f"{name}: no step compressed (the budgets must select)"
+    checked = []
+    for group in by_graph_key({name: SMALL[name] for name in SPLIT}):
+        be = kvpass(SMALL[group[0]], strict=True)
+        fwd = torch.compile(model.forward, backend=be)
+        for name in group:
+            policy = SMALL[name]
+            be.set_policy(policy)
+            out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
+            batch_rows = be.report_rows()
+            assert all(len(r["rows"]) == 3 for r in batch_rows), f"{name}: every site reports each batch row"
+            assert all(r["device_bytes_per_row"] == max(x["device_bytes"] for x in r["rows"])
+                       for r in batch_rows)
+            compressing = 0
+            for i, r in enumerate(rows):
+                be.set_policy(policy)  # fresh site states, as the batch's rows had (buffer capacities too)
+                alone, alone_steps = _generate(model, fwd, r[None], be)
+                assert torch.equal(out.sequences[i, -NEW:], alone.sequences[0, -NEW:]), f"{name} row {i}"
+                for x, y in zip(out.logits, alone.logits):
+                    torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=1e-4)
+                for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
+                    for site in sb:
+                        assert _same(sb[site][i], sa[site][0]), (
+                            f"{name} row {i}, step {step}, site {site}: selection differs")
+                        compressing += sb[site][i][0] != "all"
+                for rb, ra in zip(batch_rows, be.report_rows()):
+                    for key in ("device_bytes", "host_bytes", "tokens_held"):
+                        assert rb["rows"][i][key] == ra[key], f"{name} row {i}: {key} differ from alone"
+                    assert rb["rows"][i]["tokens"] == len(r) + NEW - 1
+            assert compressing, f"{name}: no step compressed (the budgets must select)"
+            checked.append(name)
+    assert sorted(checked) == sorted(SPLIT)
 
 
 def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_model):
@@ -115,9 +124,10 @@ def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_model):
     model = padded_model
     rows = [prompt(n, seed=60 + n)[0] for n in (28, 17)]
     ids, mask = left_padded(rows)
+    be = kvpass(SMALL["Quest"], strict=True)  # one compile: CentroidKV shares Quest's graphs (set_policy)
+    fwd = torch.compile(model.forward, backend=be)
     for name in ("Quest", "CentroidKV"):
-        be = kvpass(SMALL[name], strict=True)
-        fwd = torch.compile(model.forward, backend=be)
+        be.set_policy(SMALL[name])
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask, num_beams=2)
         for i, r in enumerate(rows):
             alone, _ = _generate(model, fwd, r[None], be, num_beams=2)
@@ -158,10 +168,11 @@ _shared: dict = {}
 def test_any_padding_gives_each_row_alone(padded_model, lengths, name):
     """Batches of 2-3 prompts of any lengths (so any padding, none included): tokens equal each row alone."""
     model = padded_model
-    if name not in _shared:
-        be = kvpass(SMALL[name], strict=True)
-        _shared[name] = be, torch.compile(model.forward, backend=be)
-    be, fwd = _shared[name]
+    if not _shared:  # one compile for the examples: ClusterKV shares Quest's graphs (set_policy)
+        be = kvpass(SMALL["Quest"], strict=True)
+        _shared["fwd"] = be, torch.compile(model.forward, backend=be)
+    be, fwd = _shared["fwd"]
+    be.set_policy(SMALL[name])
     rows = [prompt(n, seed=n * 7 + i)[0] for i, n in enumerate(lengths)]
     ids, mask = left_padded(rows)
     out, _ = _generate(model, fwd, ids, be, new=4, attention_mask=mask)
@@ -190,10 +201,12 @@ def test_padded_batch_on_a_model_kept_cache_equals_rows_alone(padded_model):
     model = padded_model
     rows = [prompt(n, seed=90 + n)[0] for n in (27, 18)]
     ids, mask = left_padded(rows)
-    for policy in (ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, decode_window=8, decode_clusters=2,
-                             dense_layers=()), Quest(budget=16, page_size=4)):
-        be = kvpass(policy, strict=True, own_cache=False)
-        fwd = torch.compile(model.forward, backend=be)
+    policies = (ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, decode_window=8, decode_clusters=2,
+                          dense_layers=()), Quest(budget=16, page_size=4))
+    be = kvpass(policies[0], strict=True, own_cache=False)  # one compile: Quest shares its graphs
+    fwd = torch.compile(model.forward, backend=be)
+    for policy in policies:
+        be.set_policy(policy)
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask)
         for i, r in enumerate(rows):
             alone, _ = _generate(model, fwd, r[None], be)
