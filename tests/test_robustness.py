@@ -47,11 +47,13 @@ def _greedy(forward, model, ids, new_tokens, **kw):
 
 
 # -- left padding ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batches", [(2,), pytest.param((2, 4), marks=pytest.mark.slow)])
 @torch._dynamo.config.patch(recompile_limit=64)  # batch sizes 1, 2 and 4 for every graph key on one forward
-def test_left_padded_batches_every_policy_equals_rows_alone():
-    """Batches of 2 and 4 prompts of different lengths, left-padded: each row equals that row run alone
-    with the same policy (tokens and logits), for every registered policy (tests/test_padded.py compares
-    the selections too). One compilation per graph key: the policies are swapped with ``set_policy``."""
+def test_left_padded_batches_every_policy_equals_rows_alone(batches):
+    """Batches of 2 (and, in `make test-all`, 4) prompts of different lengths, left-padded: each row
+    equals that row run alone with the same policy (tokens and logits), for every registered policy
+    (tests/test_padded.py compares the selections too, at batch 3). One compilation per graph key: the
+    policies are swapped with ``set_policy``."""
     model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
     rows = [prompt(n, seed=10 + n)[0] for n in (30, 22, 26, 17)]
     new = 5
@@ -62,7 +64,7 @@ def test_left_padded_batches_every_policy_equals_rows_alone():
         for name in group:
             be.set_policy(SMALL[name])
             alone = {}
-            for batch in (2, 4):
+            for batch in batches:
                 ids, mask = left_padded(rows[:batch])
                 be.set_policy(SMALL[name])
                 out = _greedy(fwd, model, ids, new, attention_mask=mask)

@@ -447,11 +447,14 @@ def test_reordered_site_equals_a_site_fed_each_rows_history(tier, rows):
     _assert_rows_equal(_row_tensors(sa), _row_tensors(sb), tier)
 
 
-# one prompt x 3 beams, and 2 prompts x 2 beams
-BEAMS = [(1, 3), (2, 2)]
+# one prompt x 3 beams, and 2 prompts x 2 beams; each test runs one of them in `make test`, both in
+# `make test-all`
+SLOW = pytest.mark.slow
+BEAMS_COVERING = [(1, 3), pytest.param(2, 2, marks=SLOW)]
+BEAMS_COMPRESSING = [pytest.param(1, 3, marks=SLOW), (2, 2)]
 
 
-@pytest.mark.parametrize("prompts, beams", BEAMS)
+@pytest.mark.parametrize("prompts, beams", BEAMS_COVERING)
 def test_beam_search_with_a_covering_budget_equals_eager(prompts, beams):
     """Every layer sparse (no quantisation) and a budget covering the context: each beam attends
     every token it holds, from the host tier the beam reordering moved, so generate() equals eager
@@ -508,7 +511,7 @@ def _teacher_forced(m, be, histories, prompt_len):
     return forced.scores
 
 
-@pytest.mark.parametrize("prompts, beams", BEAMS)
+@pytest.mark.parametrize("prompts, beams", BEAMS_COMPRESSING)
 def test_beam_search_compressing_equals_runs_without_reordering(prompts, beams):
     """A compressing TailorKV (a 2-bit layer whose residual flushes after the reorders, two sparse
     layers scoring 3 of 16 channels with the estimated query, 48 of ~160 tokens attended, 2 recent
