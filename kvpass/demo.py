@@ -1,23 +1,26 @@
-"""kvpass demo: find a fact hidden in a long prompt, with the full cache and with a compressed one.
+"""kvpass demo: find a fact hidden in a long prompt, with the full cache and with compressed ones.
 
 Loads the bundled SmolLM2-135M-Instruct, hides "The secret passcode is 7391." at 40% depth of about
 4,096 tokens of real English prose (CPython's ``pydoc_data.topics``, the Python reference manual), asks
-for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` twice:
-with ``Full`` and with the compressed policy (default ``Quest(budget=1024, page_size=16)``). A policy
-that rewrites the graph as Full does (the same ``graph_key()``) runs on Full's compiled graphs through
-``backend.set_policy``; one that inserts ops of its own (offload, TailorKV) gets its own compile.
+for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` with
+``Full`` and each compressed policy (default :data:`DEMO_POLICIES`). Policies that rewrite the graph as
+Full does (the same ``graph_key()``) run on Full's compiled graph through ``backend.set_policy``; one
+that inserts ops of its own (offload, TailorKV) gets its own compile.
 
-For each policy it prints the answer, whether it holds the fact, prefill seconds, decode milliseconds
-per token, and the cache the sites hold and attend; then the decode speed ratio.
+For each policy it prints the answer, whether it holds the fact, decode milliseconds per token and the
+ratio to Full, and the cache the sites hold and attend; then a table, and a PNG of decode ms/token and
+bytes held per policy (``--png``).
 
-How the timing works: ``torch.compile(..., dynamic=True)`` makes the sequence length symbolic from
-the first compile, so dynamo compiles two graphs per backend, one prefill and one decode, each good for
-any length (with the default ``dynamic=None`` it compiles three: prefill, a first decode specialised
-to the prompt length, then a symbolic decode at the second step). A warm-up ``generate`` of 2 tokens on
-the first 64 prompt tokens compiles both, so the timed ``generate`` compiles nothing (checked: the demo
-says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out: prefill is the
-time to the first token, decode ms/token is ``(t_last - t_first) / (n - 1)``. Generation does not stop
-at ``<|im_end|>`` so that both policies decode the same number of tokens; the answer is cut there.
+How it runs: every policy here attends exactly at prefill, so the prompt (all but its last token) is
+prefilled once with the model's own forward, and each policy's ``generate`` starts from a copy of that
+cache: its first step feeds the last prompt token, adopts the cache (builds the policy's metadata) and
+gives the first new token. ``torch.compile(..., dynamic=True)`` makes the length symbolic from the first
+compile, so each backend compiles one graph, a one-token step good for any length; a warm-up
+``generate`` of 2 tokens on a 64-token prefix compiles it, so the timed ``generate`` compiles nothing
+(the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
+decode ms/token is ``(t_last - t_first) / (n - 1)``, the steady steps after the adopting one.
+Generation does not stop at ``<|im_end|>`` so that every policy decodes the same number of tokens; the
+answer is cut there.
 """
 
 from __future__ import annotations
@@ -35,19 +38,34 @@ FACT = "The secret passcode is 7391."
 ANSWER = "7391"
 QUESTION = "What is the secret passcode? Answer with the number only."
 DEPTH = 0.4
+#: What ``kvpass demo`` runs beside Full: the compressed policies of docs/decode-cost.md, each attending
+#: about 1,024 of the 4,096 tokens (CentroidKV keeps a quarter of them).
+DEMO_POLICIES = "StreamingLLM(budget=1024),Quest(budget=1024),ClusterKV(budget=1024),CentroidKV(cache_ratio=0.25)"
+#: ``--quick``: a 2,048-token prompt, half of it attended.
+QUICK_POLICIES = "Quest(budget=1024),CentroidKV(cache_ratio=0.5)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments
 
-    add_policy_arguments(p, DEFAULT_POLICY)
+    add_policy_arguments(p, None)
+    p.add_argument("--policies", default=None, metavar="LIST",
+                   help=f"comma-separated policies to run beside Full (default {DEMO_POLICIES!r}; --quick: "
+                        f"{QUICK_POLICIES!r}); --policy SPEC runs that one only; --tp runs one "
+                        f"(default {DEFAULT_POLICY})")
     p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="prompt length in tokens (default 4096; --quick: 1024)")
+                   help="prompt length in tokens (default 4096; --quick: 2048)")
     p.add_argument("--new-tokens", type=int, default=None, metavar="N",
                    help="tokens to generate per policy (default 24; --quick: 12, the answer's length)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
-    p.add_argument("--quick", action="store_true", help="a short run for tests: context 1024, 12 new tokens")
+    p.add_argument("--png", default="kvpass-demo.png", metavar="PATH",
+                   help="where to write the chart of decode ms/token and bytes held per policy "
+                        "(default kvpass-demo.png; '' writes none)")
+    p.add_argument("--results-md", default=None, metavar="PATH",
+                   help="also write a page with the command, the machine, the table and the chart (docs/demo.md)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: context 2048, 12 new tokens, two policies")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="run under tensor parallelism instead: torchrun with N CPU ranks (gloo), the model loaded "
                         "with tp_plan='auto' on each, Full and the policy compiled with kvpass on every rank, "
@@ -121,7 +139,7 @@ class Result:
     policy: str
     answer: str
     tokens: int
-    prefill_s: float
+    first_s: float  # the first step: the last prompt token, adopting the prefilled cache
     decode_ms: float
     compile_s: float
     sites: int = 0
@@ -131,56 +149,102 @@ class Result:
     device_bytes: int = 0
     host_bytes: int = 0
     recompiled: int = 0
+    graphs: int = 0  # dynamo graphs the backend holds after the warm-up
     left_exact: list = field(default_factory=list)
 
     @property
     def found(self) -> bool:
         return ANSWER in self.answer
 
+    @property
+    def bytes_held(self) -> int:
+        return self.device_bytes + self.host_bytes
+
 
 WARMUP_TOKENS = 64
 
 
-def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, step, compiled=None):
-    """Warm up (compile), then time one greedy generate through ``kvpass(policy)``.
+def prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The keys and values of ``ids (1, n)`` but its last token, from the model's own forward."""
+    from kvpass.bench.timing import cache_tensors
 
-    ``compiled``: the ``(backend, compiled forward)`` of an earlier policy. When ``policy`` rewrites the
+    with torch.inference_mode():
+        out = model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)
+    return [(k, v) for k, v in cache_tensors(out.past_key_values)]
+
+
+class _Bar:
+    """A tqdm bar over the decoded tokens (nothing when tqdm is missing or the output is not a terminal)."""
+
+    def __init__(self, total: int, desc: str):
+        self.bar = None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None, file=sys.stderr)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _generate(model, ids, kv, new_tokens: int, stamps=None):
+    """Greedy ``generate`` of ``new_tokens`` after ``ids`` from a copy of the cache ``kv`` of all but
+    its last token."""
+    from kvpass.bench.timing import cache_from, generation_config
+
+    cache = cache_from(model, [(k.clone(), v.clone()) for k, v in kv])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                          generation_config=generation_config(model, new_tokens), streamer=stamps)
+
+
+def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tokens: int, step, compiled=None):
+    """Warm up (compile), then time one greedy ``generate`` through ``kvpass(policy)`` from a copy of the
+    prefilled cache ``kv`` (``warm_kv``: that of the 64-token warm-up prefix).
+
+    ``compiled``: the ``(backend, compiled forward, policy compiled for)`` of an earlier policy. When ``policy`` rewrites the
     graph the same way (same ``graph_key()``: Full, StreamingLLM, Quest, ClusterKV without offload,
-    CentroidKV), its graphs are reused through ``set_policy`` and nothing is compiled again; otherwise
-    dynamo is reset and a new backend compiles. Returns ``(result, (backend, compiled forward))``."""
+    CentroidKV), its graph is reused through ``set_policy`` and nothing is compiled again; otherwise
+    dynamo is reset and a new backend compiles. Returns ``(result, compiled)``."""
     import warnings
 
     from kvpass import kvpass
-    from kvpass.bench.timing import Stamps, answer_text, generation_config
+    from kvpass.bench.timing import Stamps, answer_text
 
-    name = policy.describe()
+    name = short_name(policy)
     fwd = model.forward
     if compiled is not None and compiled[0].policy.graph_key() == policy.graph_key():
-        backend, cfwd = compiled
-        compiled_for = backend.policy.name  # read before set_policy replaces it
+        backend, cfwd, compiled_for = compiled
         backend.set_policy(policy)  # every site starts afresh with the new policy
-        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graphs compiled for {compiled_for} serve it)"
+        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graph compiled for {compiled_for} serves it)"
     else:
         torch._dynamo.reset()
         backend = kvpass(policy)
         cfwd = torch.compile(fwd, backend=backend, dynamic=True)
-        what = f"{name}: compiling the prefill and decode graphs (warm-up on {WARMUP_TOKENS} tokens)"
+        compiled_for = name
+        what = f"{name}: compiling the decode graph (warm-up on {WARMUP_TOKENS} tokens)"
     model.forward = cfwd
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # listed in the result
             with step(what):
                 t0 = time.perf_counter()
-                warm = ids[:, :WARMUP_TOKENS]
-                model.generate(warm, attention_mask=torch.ones_like(warm),
-                               generation_config=generation_config(model, 2))
+                _generate(model, ids[:, :WARMUP_TOKENS], warm_kv, 2)
                 compile_s = time.perf_counter() - t0
             n_graphs = len(backend.graphs)
-            with step(f"{name}: prefill {ids.shape[1]} tokens, then decode {new_tokens}"):
-                stamps = Stamps()
+            with step(f"{name}: decode {new_tokens} tokens after {ids.shape[1]}"):
+                bar = _Bar(new_tokens, name)
+                stamps = Stamps(on_token=bar.update)
                 start = time.perf_counter()
-                out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     generation_config=generation_config(model, new_tokens), streamer=stamps)
+                try:
+                    out = _generate(model, ids, kv, new_tokens, stamps)
+                finally:
+                    bar.close()
     finally:
         model.forward = fwd
     t = stamps.times
@@ -189,10 +253,11 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
         policy=name,
         answer=answer_text(tokenizer, new_ids),
         tokens=len(new_ids),
-        prefill_s=t[0] - start,
+        first_s=t[0] - start,
         decode_ms=1000 * (t[-1] - t[0]) / max(1, len(t) - 1),
         compile_s=compile_s,
         recompiled=len(backend.graphs) - n_graphs,
+        graphs=n_graphs,
     )
     rows = backend.report_rows()
     sites = [r for r in rows if "reason" not in r]
@@ -204,12 +269,30 @@ def run_policy(model, tokenizer, ids: torch.Tensor, policy, new_tokens: int, ste
         res.logical = max(r.get("tokens_logical", 0) for r in sites)
         res.device_bytes = sum(r.get("device_bytes", 0) for r in sites)
         res.host_bytes = sum(r.get("host_bytes", 0) for r in sites)
-    return res, (backend, cfwd)
+    return res, (backend, cfwd, compiled_for)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------------
+
+
+_SIZES = ("budget", "window", "cache_ratio", "sparse_budget")
+
+
+def short_name(policy) -> str:
+    """The policy with its size (budget, window, cache ratio) and the parameters that differ from their
+    defaults: ``Quest(budget=1024)``, ``StreamingLLM(window=1020)``."""
+    import dataclasses
+
+    def shown(f) -> bool:
+        value = getattr(policy, f.name)
+        if f.name in _SIZES:
+            return value is not None
+        return f.default is not dataclasses.MISSING and value != f.default
+
+    changed = [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy) if f.init and shown(f)]
+    return f"{policy.name}({', '.join(changed)})"
 
 
 def _mib(n: int) -> str:
@@ -231,11 +314,12 @@ class _Steps:
         print(f"      done in {time.perf_counter() - t0:.1f} s", file=self.out, flush=True)
 
 
-def _print_result(r: Result) -> None:
+def _print_result(r: Result, full: Result | None) -> None:
     print(f"  answer:   {r.answer!r}")
     print(f"  fact {ANSWER!r} found: {'yes' if r.found else 'NO'}")
-    print(f"  prefill:  {r.prefill_s:.2f} s    decode: {r.decode_ms:.1f} ms/token "
-          f"({r.tokens} tokens; compile + warm-up took {r.compile_s:.0f} s)")
+    vs = f", {full.decode_ms / r.decode_ms:.2f}x Full's speed" if full is not None and r.decode_ms > 0 else ""
+    print(f"  decode:   {r.decode_ms:.1f} ms/token{vs} ({r.tokens} tokens; the first, which adopts the "
+          f"cache, {r.first_s:.2f} s; compile + warm-up {r.compile_s:.0f} s, {r.graphs} graph(s))")
     if r.recompiled:
         print(f"  note:     {r.recompiled} graph(s) were compiled during the timed run: the times include that")
     if r.sites:
@@ -247,23 +331,77 @@ def _print_result(r: Result) -> None:
     print(flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvpass.policies.parse import policy_from_args
+def _cut(answer: str, n: int = 40) -> str:
+    return answer if len(answer) <= n else answer[: n - 3] + "..."
 
-    context = args.context if args.context is not None else (1024 if args.quick else 4096)
+
+def _table(results: list[Result]) -> str:
+    full = results[0]
+    lines = ["| policy | answer | fact | decode ms/token | speed vs Full | tokens attended/site | cache held |",
+             "|---|---|:---:|---:|---:|---:|---:|"]
+    for r in results:
+        speed = full.decode_ms / r.decode_ms if r.decode_ms > 0 else float("nan")
+        lines.append(f"| {r.policy} | {_cut(r.answer)!r} | {'yes' if r.found else 'no'} | {r.decode_ms:.1f} | "
+                     f"{speed:.2f}x | {r.attended} of {r.logical} | {_mib(r.bytes_held)} |")
+    return "\n".join(lines)
+
+
+def write_png(results: list[Result], path: str, title: str) -> None:
+    """Two bar charts, decode ms/token and MiB held per policy, into ``path`` (matplotlib's Agg canvas,
+    no global backend switch)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [r.policy.replace("()", "").replace("(", "\n", 1).rstrip(")") for r in results]
+    colors = ["#888888"] + ["#2a7ab0" if r.found else "#d08030" for r in results[1:]]
+    fig = Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    ms = [r.decode_ms for r in results]
+    ax1.bar(range(len(results)), ms, color=colors)
+    ax1.set_ylabel("decode ms/token (lower is faster)")
+    for i, r in enumerate(results):
+        ax1.annotate(f"{results[0].decode_ms / r.decode_ms:.2f}x" if r.decode_ms > 0 else "",
+                     (i, ms[i]), ha="center", va="bottom", fontsize=9)
+    mib = [r.bytes_held / (1 << 20) for r in results]
+    ax2.bar(range(len(results)), mib, color=colors)
+    ax2.set_ylabel("KV cache held, MiB (every layer)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(results)), names, fontsize=7.5)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title + "  (blue: found the fact, orange: missed it)", fontsize=10)
+    fig.savefig(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpass.bench.decode_cost import parse_policies
+    from kvpass.policies.parse import DEFAULT_POLICY, parse_policy
+
+    context = args.context if args.context is not None else (2048 if args.quick else 4096)
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 24)
     if new_tokens < 2:
         raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
-    policy = policy_from_args(args)  # before the slow load: a bad --policy fails at once
+    if args.policy is not None and args.policies is not None:
+        raise ValueError("kvpass: demo takes --policy SPEC or --policies LIST, not both")
+    # before the slow load: a bad policy fails at once
     if args.tp is not None:
-        return _run_tp(args.tp, policy, context, new_tokens)
+        return _run_tp(args.tp, parse_policy(args.policy or DEFAULT_POLICY, budget=args.budget), context, new_tokens)
+    if args.policy is not None:
+        policies = [parse_policy(args.policy, budget=args.budget)]
+    else:
+        policies = parse_policies(args.policies or (QUICK_POLICIES if args.quick else DEMO_POLICIES))
+        if args.budget is not None:
+            policies = [parse_policy(p.describe(), budget=args.budget) for p in policies]
+    from kvpass import Full
+
+    policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        return _run(policy, context, new_tokens)
+        return _run(policies, context, new_tokens, args.png, args.results_md)
     finally:
         torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
 
@@ -295,17 +433,14 @@ def _busy_hint() -> str:
     return ""
 
 
-def _run(policy, context: int, new_tokens: int) -> int:
-    from kvpass import Full
+def _run(policies, context: int, new_tokens: int, png: str, results_md: str | None = None) -> int:
     from kvpass.models import load_smollm2, smollm2_cache_path
-
-    policies = [Full(), policy]
 
     nt = torch.get_num_threads()
     print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {nt} thread{'s' * (nt != 1)}, "
-          f"Full vs {policy.describe()}", flush=True)
+          f"{' vs '.join(short_name(p) for p in policies)}", flush=True)
     print(_busy_hint(), end="", flush=True)
-    step = _Steps(2 + 2 * len(policies))
+    step = _Steps(3 + 2 * len(policies))
     first = not (smollm2_cache_path() / "kvpass.json").exists()
     with step("converting the bundled SmolLM2 GGUF (once, about 30 s)" if first else "loading SmolLM2-135M-Instruct"):
         model, tokenizer = load_smollm2(progress=first)
@@ -314,21 +449,62 @@ def _run(policy, context: int, new_tokens: int) -> int:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     print(f"  {n} tokens of Python reference prose; {FACT!r} at token {fact_at} "
           f"({100 * fact_at / n:.0f}% depth); question: {QUESTION!r}\n", flush=True)
+    with step(f"prefilling {n - 1} tokens once with the model's own forward (every policy starts from a copy)"):
+        kv = prefill(model, ids)
+        warm_kv = prefill(model, ids[:, :WARMUP_TOKENS])
 
     results, compiled = [], None
     try:
         for p in policies:
-            r, compiled = run_policy(model, tokenizer, ids, p, new_tokens, step, compiled)
+            r, compiled = run_policy(model, tokenizer, ids, kv, warm_kv, p, new_tokens, step, compiled)
             print(f"{r.policy}:")
-            _print_result(r)
+            _print_result(r, results[0] if results else None)
             results.append(r)
     finally:
         torch._dynamo.reset()  # drop the graphs and the backend dynamo holds for recompiles
 
-    full, comp = results
-    ratio = full.decode_ms / comp.decode_ms if comp.decode_ms > 0 else float("nan")
-    print(f"decode speed: Full {full.decode_ms:.1f} ms/token, {comp.policy} {comp.decode_ms:.1f} ms/token: "
-          f"{ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} at {n} tokens of context")
-    print(f"answers: Full {'found' if full.found else 'missed'} the fact, {comp.policy} "
-          f"{'found' if comp.found else 'missed'} it", flush=True)
+    print(f"At {n} tokens of context, {nt} thread{'s' * (nt != 1)}, {new_tokens} tokens decoded per policy:\n")
+    print(_table(results) + "\n", flush=True)
+    if png:
+        title = f"kvpass demo: SmolLM2-135M, {n}-token prompt, CPU {nt} thread{'s' * (nt != 1)}"
+        write_png(results, png, title)
+        print(f"chart: {png}", flush=True)
+    if results_md:
+        write_md(results, results_md, png, n, new_tokens, fact_at)
+        print(f"page: {results_md}", flush=True)
     return 0
+
+
+def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int, fact_at: int) -> None:
+    """The demo's page: the command as run, the machine, the table, the chart (relative to the page)."""
+    import datetime
+    import shlex
+    from pathlib import Path
+
+    from kvpass.bench.runner import machine_info
+
+    m = machine_info()
+    page = Path(path)
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    full = results[0]
+    lines = [
+        "# kvpass demo", "",
+        "<!-- Generated by `kvpass demo --results-md` (kvpass.demo.write_md); do not edit by hand: rerun the "
+        "command below. -->", "",
+        f"A fact hidden at token {fact_at} of a {n}-token prompt of Python reference prose, asked for at the "
+        f"end; every policy continues from a copy of one exact prefill and decodes {new_tokens} tokens greedily "
+        "through `torch.compile(model.forward, backend=kvpass(policy))` (kvpass/demo.py says how it is timed).", "",
+        "```bash", shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass" else "kvpass demo",
+        "```", "",
+        f"{m['cpu_count']} cores, {m['threads']} torch thread(s), {m['platform']}; torch {m['torch']}, "
+        f"transformers {m['transformers']}; finished {now} (UTC). Compile + warm-up of the first policy: "
+        f"{full.compile_s:.0f} s.", "",
+        _table(results), "",
+        "Speed vs Full: Full's decode ms/token over the policy's, same run. Cache held: the keys, values and "
+        "metadata the sites keep, every layer (device and host).", "",
+    ]
+    if png:
+        rel = os.path.relpath(Path(png).resolve(), page.resolve().parent)
+        lines += [f"![decode ms/token and cache held per policy]({rel})", ""]
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("\n".join(lines), encoding="utf-8")

@@ -57,3 +57,16 @@ def test_tiny_cold_and_warm_processes(tmp_path, capsys):
     assert by[("Full()", "warm")]["report_lines"] == by[("Full()", "cold")]["report_lines"] > 2
     printed = capsys.readouterr().out
     assert "| kvpass(Full()) |" in printed and "command: kvpass bench --compile-time --model tiny" in printed
+
+
+def test_page_has_the_command_the_machine_and_the_table(tmp_path):
+    machine = {"cpu_count": 2, "processor": "x86_64", "platform": "Linux", "python": "3.11", "torch": "2.13.0",
+               "transformers": "5.18.0"}
+    rows = [{**_row(b, p, s), "command": "kvpass bench --compile-time --model tiny", "machine": machine}
+            for b, p, s in (("inductor", "cold", 80.0), ("inductor", "warm", 16.0), ("Full()", "cold", 90.0),
+                            ("Full()", "warm", 20.0))]
+    page = ct.write_md(rows, tmp_path / "docs" / "performance.md").read_text()
+    assert "kvpass bench --compile-time --model tiny --results-md " in page
+    assert "2 cores, 1 torch thread(s)" in page and "torch 2.13.0" in page
+    assert ct.table(rows) in page
+    assert "| kvpass(Full()) | 90.0 | 1.12x | 20.0 | 1.25x |" in page

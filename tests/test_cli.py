@@ -130,6 +130,8 @@ def test_version(capsys):
         (["explain", "--policy", "Quest(budget=8)"], "Quest needs budget >= 2 * page_size (32)"),
         (["demo", "--policy", "Bogus"], "unknown policy 'Bogus'"),
         (["demo", "--policy", "StreamingLLM", "--budget", "2"], "StreamingLLM needs budget > sinks (4)"),
+        (["demo", "--policies", "Quest,Bogus"], "unknown policy 'Bogus'"),
+        (["demo", "--policy", "Quest", "--policies", "Quest"], "demo takes --policy SPEC or --policies LIST, not both"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(argv, match, capsys):
@@ -217,24 +219,78 @@ def test_explain_dump_dir_falls_back_to_inductor_trace(tmp_path, capsys, monkeyp
 # -- demo --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # its own SmolLM2 load and compile (dynamic=True) and a 1k-token prompt
-def test_demo_quick(smollm2, monkeypatch, capsys):
+@pytest.mark.slow  # its own SmolLM2 load and compile (dynamic=True) and a 2k-token prompt
+def test_demo_quick(smollm2, monkeypatch, capsys, tmp_path):
     # The demo loads SmolLM2 from the default cache ($KVPASS_CACHE). Point it at the session's
     # temporary cache (conftest's ``smollm2`` fixture converts into it once per run and the other slow
     # tests share it), so the test neither depends on nor writes to the user's ~/.cache/kvpass.
     monkeypatch.setenv("KVPASS_CACHE", str(smollm2.cache_dir))
-    assert main(["demo", "--quick"]) == 0
+    png = tmp_path / "demo.png"
+    assert main(["demo", "--quick", "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "Full vs Quest(budget=1024, page_size=16" in out
-    # Quest rewrites the graph as Full does: it runs on Full's graphs and compiles nothing
-    assert re.search(r"Quest\(.*\): warm-up on 64 tokens \(the graphs compiled for Full serve it\)", out), out
+    assert "Full() vs Quest(budget=1024) vs CentroidKV(cache_ratio=0.5)" in out
+    # Quest and CentroidKV rewrite the graph as Full does: they run on Full's graph and compile nothing
+    assert re.search(r"Quest\(budget=1024\): warm-up on 64 tokens \(the graph compiled for Full serves it\)", out), out
     assert "compiled during the timed run" not in out, out
     answers = re.findall(r"^  answer:   '(.*)'$", out, flags=re.M)
-    assert len(answers) == 2, out
-    assert "7391" in answers[0], out  # Full finds the fact at 1k tokens (greedy, fp32: deterministic)
-    assert re.search(r"^decode speed: Full [\d.]+ ms/token, Quest\(.*\) [\d.]+ ms/token: [\d.]+x (faster|slower)",
-                     out, flags=re.M), out
-    assert re.search(r"prefill:\s+[\d.]+ s\s+decode: [\d.]+ ms/token \(12 tokens", out), out
+    assert len(answers) == 3, out
+    assert "7391" in answers[0], out  # Full finds the fact at 2k tokens (greedy, fp32: deterministic)
+    assert re.search(r"^  decode:   [\d.]+ ms/token, [\d.]+x Full's speed \(12 tokens", out, flags=re.M), out
+    rows = re.findall(r"^\| (Full\(\)|Quest\(budget=1024\)|CentroidKV\(cache_ratio=0.5\)) \|", out, flags=re.M)
+    assert rows == ["Full()", "Quest(budget=1024)", "CentroidKV(cache_ratio=0.5)"], out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_continues_a_copied_prefill_as_generate_does_from_the_prompt():
+    """The demo prefills a prompt once and gives each policy a copy of that cache: generating from the
+    copy gives the tokens a plain generate() from the prompt gives, and leaves the prefill unchanged."""
+    import torch
+    from tiny import prompt, tiny_llama
+
+    from kvpass.bench.timing import generation_config
+    from kvpass.demo import _generate, prefill
+
+    model = tiny_llama()
+    ids = prompt(24)
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=generation_config(model, 5))
+        kv = prefill(model, ids)
+        before = [(k.clone(), v.clone()) for k, v in kv]
+        assert kv[0][0].shape[2] == 23  # every token but the last
+        for _ in range(2):
+            assert torch.equal(_generate(model, ids, kv, 5), expected)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before))
+
+
+def test_demo_table_and_chart(tmp_path):
+    from kvpass import CentroidKV, Full, Quest, StreamingLLM
+    from kvpass.demo import Result, _table, short_name, write_png
+
+    assert [short_name(p) for p in (Full(), StreamingLLM.with_budget(512), Quest(budget=256, page_size=32),
+                                    CentroidKV(cache_ratio=0.25))] == [
+        "Full()", "StreamingLLM(window=508)", "Quest(budget=256, page_size=32)", "CentroidKV(cache_ratio=0.25)"]
+    results = [Result("Full()", "7391", 12, 0.5, 100.0, 30.0, sites=30, held=4096, attended=4096, logical=4096,
+                      device_bytes=96 << 20),
+               Result("Quest(budget=1024)", "It is 7391.", 12, 0.5, 80.0, 1.0, sites=30, held=4096,
+                      attended=1024, logical=4096, device_bytes=100 << 20),
+               Result("StreamingLLM(window=1020)", "I don't know", 12, 0.5, 50.0, 1.0, sites=30, held=1024,
+                      attended=1024, logical=4096, device_bytes=24 << 20, host_bytes=1 << 20)]
+    table = _table(results).splitlines()
+    assert table[2] == "| Full() | '7391' | yes | 100.0 | 1.00x | 4096 of 4096 | 96.0 MiB |"
+    assert table[3] == "| Quest(budget=1024) | 'It is 7391.' | yes | 80.0 | 1.25x | 1024 of 4096 | 100.0 MiB |"
+    assert table[4] == "| StreamingLLM(window=1020) | \"I don't know\" | no | 50.0 | 2.00x | 1024 of 4096 | 25.0 MiB |"
+    png = tmp_path / "img" / "chart.png"
+    png.parent.mkdir()
+    write_png(results, str(png), "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    from kvpass.demo import write_md
+
+    page = tmp_path / "docs" / "demo.md"
+    write_md(results, str(page), str(png), 4096, 12, 1552)
+    text = page.read_text()
+    assert _table(results) in text and "![decode ms/token and cache held per policy](../img/chart.png)" in text
+    assert "hidden at token 1552 of a 4096-token prompt" in text and "Compile + warm-up of the first policy: 30 s" in text
 
 
 def test_demo_generation_config_decodes_past_eos_without_masking_the_prompt():
@@ -297,3 +353,22 @@ def test_nothing_imports_the_command_line():
             elif isinstance(node, ast.Import):
                 offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name == "kvpass.cli"]
     assert offenders == []
+
+
+@pytest.mark.slow  # compiles SmolLM2 in a fresh process
+def test_readme_first_example_runs(smollm2, tmp_path):
+    """The first Python block of the README runs as written, on the bundled model, and generates."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "KVPASS_CACHE": str(smollm2.cache_dir), "PYTHONPATH": str(root),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "assistant" in proc.stdout, proc.stdout

@@ -263,12 +263,21 @@ def test_paged_reference_equals_token_reference(b, h_kv, g, page_size, pages_cap
     q = torch.randn(b, h_kv * g, d, generator=gen)
     k = torch.randn(b, h_kv, cap, d, generator=gen)
     v = torch.randn(b, h_kv, cap, d, generator=gen)
-    pages = torch.stack([torch.randperm(live, generator=gen)[:n] for _ in range(b * h_kv)]).view(b, h_kv, n)
+    newest_last = data.draw(st.booleans())
+    if newest_last:  # Quest's own order: full pages in any order, then the newest (maybe partial) page
+        older = [torch.randperm(live - 1, generator=gen)[: n - 1] for _ in range(b * h_kv)]
+        pages = torch.stack([torch.cat([o, torch.tensor([live - 1])]) for o in older]).view(b, h_kv, n)
+    else:
+        pages = torch.stack([torch.randperm(live, generator=gen)[:n] for _ in range(b * h_kv)]).view(b, h_kv, n)
     idx = (pages[..., None] * page_size + torch.arange(page_size)).flatten(-2)
     idx = torch.where(idx < length, idx, -1)
     want = sparse_decode_attention_ref(q, k[:, :, :length], v[:, :, :length], idx=idx)
-    got = paged_decode_attention_ref(q, k, v, pages, page_size, length)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for dense in (False, True):
+        got = paged_decode_attention_ref(q, k, v, pages, page_size, length, dense=dense, newest_last=newest_last)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        half = paged_decode_attention_ref(q.half(), k.half(), v.half(), pages, page_size, length, dense=dense,
+                                          newest_last=newest_last)
+        torch.testing.assert_close(half.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @given(

@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "of --new-tokens tokens (default 8) after a --contexts prompt "
                                              "(default 64) in fresh processes, cold and warm, plain Inductor and "
                                              "kvpass(policy) for each of --policies (default Full), at one "
-                                             "--threads (kvpass.bench.compile_time)")
+                                             "--threads; --results-md writes the page (kvpass.bench.compile_time)")
     c.add_argument("--compile-time", action="store_true",
                    help="measure compile time instead of running the accuracy grid (rows in OUT/compile_time.jsonl)")
 

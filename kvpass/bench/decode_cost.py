@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from kvpass.bench.timing import cache_from, cache_tensors
 from kvpass.policies.base import Policy
 
 __all__ = ["DEFAULT_POLICIES", "RESULTS", "weight_bytes", "kv_bytes_per_token", "step_bytes", "measure_bandwidth",
@@ -190,24 +191,6 @@ def breakdown(events, steps: int, wall_s: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def _layers_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
-
-
-def _fresh_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # transformers 4.x
-        cache = DynamicCache()
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-    return cache
 
 
 def _cell_kv(prefill_kv, context: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -352,7 +335,7 @@ def run_decode_cost(
             t0 = time.perf_counter()
             out = fwd_eager(input_ids=ids[:, :prefill_len], use_cache=True, logits_to_keep=1)
             prefill_s = time.perf_counter() - t0
-            prefill_kv = [(k.detach(), v.detach()) for k, v in _layers_kv(out.past_key_values)]
+            prefill_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(out.past_key_values)]
             last_token = out.logits[:, -1].argmax(-1)
             del out
             kv_heads, head_dim, es = prefill_kv[0][0].shape[1], prefill_kv[0][0].shape[3], prefill_kv[0][0].element_size()
@@ -396,7 +379,7 @@ def run_decode_cost(
                             beyond = any(g[2] > max_pos and min(g[3], 2) == b for g in cells)
                             for wc in _WARM_CONTEXTS + ((max_pos + _WARM_CONTEXTS[0],) if beyond else ()):
                                 backend.set_policy(first)
-                                cache = _fresh_cache(model, _cell_kv(prefill_kv, wc, b))
+                                cache = cache_from(model, _cell_kv(prefill_kv, wc, b))
                                 _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
                                 del cache
                         compile_s = time.perf_counter() - t0
@@ -445,7 +428,7 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, s
     gc.collect()
     if backend is not None:
         backend.set_policy(policy)
-    cache = _fresh_cache(model, _cell_kv(prefill_kv, context, batch))
+    cache = cache_from(model, _cell_kv(prefill_kv, context, batch))
     g0 = len(backend.graphs) if backend is not None else 0
     ids, warm = _decode(fwd, cache, ids, warmup_steps)
     g1 = len(backend.graphs) if backend is not None else 0

@@ -58,7 +58,7 @@ def row_lengths(batch: int, lo: int, hi: int) -> list[int]:
 def padded_cache(model, prefill_kv, lengths: list[int]):
     """A DynamicCache of ``len(lengths)`` rows, row i holding the first ``lengths[i]`` keys and values of
     the prefill right-aligned (zeros before), and the ``(B, max)`` attention mask."""
-    from kvpass.bench.decode_cost import _fresh_cache
+    from kvpass.bench.timing import cache_from
 
     width, batch = max(lengths), len(lengths)
     mask = torch.zeros((batch, width), dtype=torch.long)
@@ -72,7 +72,7 @@ def padded_cache(model, prefill_kv, lengths: list[int]):
         kv.append((kk, vv))
     for i, n in enumerate(lengths):
         mask[i, width - n :] = 1
-    return _fresh_cache(model, kv), mask
+    return cache_from(model, kv), mask
 
 
 def _decode(fwd, cache, mask, ids, pos, n) -> tuple[list[torch.Tensor], list[float], torch.Tensor, torch.Tensor]:
@@ -105,7 +105,8 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
     """Measure every (threads, policy, batch) cell (see the module docstring); rows are appended to
     ``out_dir/throughput.jsonl`` and returned."""
     from kvpass import kvpass
-    from kvpass.bench.decode_cost import _layers_kv, _now
+    from kvpass.bench.decode_cost import _now
+    from kvpass.bench.timing import cache_tensors
     from kvpass.bench.perplexity import topics_text
     from kvpass.bench.runner import _append, _model_name, machine_info, policy_label
     from kvpass.policies.full import Full
@@ -130,7 +131,7 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")
             t0 = time.perf_counter()
             out = fwd_eager(input_ids=ids[:, :hi], use_cache=True, logits_to_keep=1)
-            prefill_kv = [(k.detach(), v.detach()) for k, v in _layers_kv(out.past_key_values)]
+            prefill_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(out.past_key_values)]
             del out
             if progress:
                 print(f"kvpass bench --throughput: prefill of {hi} tokens in {time.perf_counter() - t0:.1f} s",

@@ -3,28 +3,34 @@
 :class:`Stamps` is a streamer that stamps ``time.perf_counter()`` as each new token comes out (the
 prefill is the time to the first one, decode ms/token ``(t_last - t_first) / (n - 1)``);
 :func:`generation_config` is greedy generation of exactly ``n`` tokens; :func:`answer_text` cuts the
-answer at ``<|im_end|>``.
+answer at ``<|im_end|>``; :func:`cache_tensors` and :func:`cache_from` take a prefilled cache apart and
+make fresh caches of its tensors (a prefill shared by several policies).
 """
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["Stamps", "generation_config", "answer_text"]
+import torch
+
+__all__ = ["Stamps", "generation_config", "answer_text", "cache_tensors", "cache_from"]
 
 
 class Stamps:
     """A ``BaseStreamer``: ``generate`` calls ``put`` with the prompt first, then with every new token."""
 
-    def __init__(self):
+    def __init__(self, on_token=None):
         self.times: list[float] = []
         self._prompt_seen = False
+        self._on_token = on_token  # called after each new token's stamp (a progress bar)
 
     def put(self, value):
         if not self._prompt_seen:
             self._prompt_seen = True
             return
         self.times.append(time.perf_counter())
+        if self._on_token is not None:
+            self._on_token()
 
     def end(self):
         pass
@@ -55,3 +61,23 @@ def answer_text(tokenizer, new_ids: list[int]) -> str:
     if end in new_ids:
         new_ids = new_ids[: new_ids.index(end)]
     return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(keys, values), ...]`` per layer of a ``DynamicCache``, each ``(B, H_kv, S, D)``."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
+
+
+def cache_from(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A new ``DynamicCache`` holding ``kv`` (the tensors themselves, not copies), layer by layer."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x
+        cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache

@@ -364,11 +364,7 @@ def _decode_sdpa(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch
     if use_dense(pos.shape[2], S) if dense is None else dense:
         counts = torch.zeros((B, H_kv, S + 1), dtype=torch.float32, device=q.device)
         counts.scatter_add_(2, torch.where(valid, pos, S), _ones(q, pos.shape))
-        mask = counts[:, :, :S].log_()  # -inf where not listed
-        if bias is not None:
-            mask.add_(bias)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, :, None, :], scale=scale)
-        return out.reshape(B, H_q, v.shape[3])
+        return _masked_dense(q, k, v, counts[:, :, :S], bias, scale)
     pos = torch.where(valid, pos, 0)
     ks, vs = _gather_pair(k, v, pos, workspace)
     if bias is None:
@@ -376,6 +372,20 @@ def _decode_sdpa(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch
     else:
         mask = torch.gather(bias.float(), 2, pos).masked_fill_(~valid, float("-inf"))[:, :, None, :]
     out = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=scale)
+    return out.reshape(B, H_q, v.shape[3])
+
+
+def _masked_dense(q, k, v, counts, bias, scale) -> torch.Tensor:
+    """Attention of q ``(B, H_q, D)`` over the whole of k, v ``(B, H_kv, S, D)``, position s weighted by
+    ``counts (B, H_kv, S)``, the times it is listed (0: not attended): bias ``log(count)`` in SDPA's mask.
+    ``counts`` is overwritten. Returns ``(B, H_q, Dv)``."""
+    B, H_q, D = q.shape
+    H_kv = k.shape[1]
+    mask = counts.log_()  # -inf where not listed
+    if bias is not None:
+        mask.add_(bias)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B, H_kv, H_q // H_kv, D), k, v, attn_mask=mask[:, :, None, :], scale=scale)
     return out.reshape(B, H_q, v.shape[3])
 
 
@@ -401,10 +411,10 @@ def _row_index(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
     sb, sh, ss, _ = x.stride()
     if not (S > 0 and ss > 0 and sb % ss == 0 and sh % ss == 0 and x.numel() > 0):
         return None
-    base = torch.arange(B * H, device=x.device).view(B, H)
     if sb != H * sh:  # b and h not one run of rows (a slice of a bigger batch)
         base = torch.arange(B, device=x.device)[:, None] * (sb // ss) + torch.arange(H, device=x.device) * (sh // ss)
         return (base[:, :, None] + pos).reshape(-1)
+    base = torch.arange(B * H, device=x.device).view(B, H)
     return (base[:, :, None] * (sh // ss) + pos).reshape(-1)
 
 
@@ -413,10 +423,16 @@ def _take_rows(x: torch.Tensor, rows: torch.Tensor, n: int, workspace=None, name
     sb, sh, ss, sd = x.stride()
     n_rows = (B - 1) * (sb // ss) + (H - 1) * (sh // ss) + S  # last row ends at x's last element
     table = x.as_strided((n_rows, D), (ss, sd), x.storage_offset())
+    return _select(table, rows, workspace, name).view(B, H, n, D)
+
+
+def _select(table: torch.Tensor, rows: torch.Tensor, workspace, name: str) -> torch.Tensor:
+    """``table.index_select(0, rows)``, written into the workspace buffer ``"gather_" + name`` when a
+    workspace is given."""
     if workspace is None:
-        return table.index_select(0, rows).view(B, H, n, D)
-    out = workspace("gather_" + name, (rows.numel(), D), x.dtype, x.device)
-    return torch.index_select(table, 0, rows, out=out).view(B, H, n, D)
+        return table.index_select(0, rows)
+    out = workspace("gather_" + name, (rows.numel(), table.shape[1]), table.dtype, table.device)
+    return torch.index_select(table, 0, rows, out=out)
 
 
 def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -455,8 +471,9 @@ def sparse_decode_attention_ref(
 
     Shapes as in :func:`sparse_decode_attention`: q ``(B, H_q, D)``, k ``(B, H_kv, S, D)``,
     v ``(B, H_kv, S, Dv)``, idx ``(B, H_kv, N)`` or None, bias ``(B, H_kv, S)`` or None;
-    returns ``(B, H_q, Dv)`` in ``q.dtype``. Batched gather + matmul, no Python loop over heads.
-    """
+    returns ``(B, H_q, Dv)`` in ``q.dtype``. fp32 on CPU: one SDPA call over the gathered rows, or over
+    the whole cache with a mask (see :func:`use_dense`); other dtypes and devices: a batched gather, two
+    matmuls and an fp32 softmax. No Python loop over heads."""
     _check_inputs(q, k, v, idx, bias, "sparse_decode_attention_ref")
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
@@ -529,14 +546,6 @@ def segments_decode_attention(
     return out.reshape(B, H_q, v.shape[3])
 
 
-def _take_pages(x: torch.Tensor, rows: torch.Tensor, page_size: int, workspace, name: str) -> torch.Tensor:
-    table = x.view(-1, page_size * x.shape[3])
-    if workspace is None:
-        return table.index_select(0, rows)
-    out = workspace("gather_" + name, (rows.numel(), table.shape[1]), x.dtype, x.device)
-    return torch.index_select(table, 0, rows, out=out)
-
-
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -547,6 +556,7 @@ def paged_decode_attention_ref(
     scale: float | None = None,
     workspace=None,
     dense: bool | None = None,
+    newest_last: bool = False,
 ) -> torch.Tensor:
     """:func:`sparse_decode_attention_ref` for selections made of whole pages (Quest): one gather
     row per page instead of per token, the CPU fast path.
@@ -555,6 +565,8 @@ def paged_decode_attention_ref(
     ``page_size`` (positions ``>= length`` must hold finite values: they are masked); pages
     ``(B, H_kv, n)`` distinct page indices with ``page * page_size < length``. Returns ``(B, H_q, D)``.
     Equals :func:`sparse_decode_attention_ref` with the pages' token positions as ``idx``.
+    ``newest_last``: every row lists the newest page (the one holding ``length - 1``) last, so every
+    other listed page is full: the gathered rows need no mask, only the newest page's empty tail cut.
     """
     B, H_q, D = q.shape
     _, H_kv, C, _ = k.shape
@@ -572,21 +584,25 @@ def paged_decode_attention_ref(
         # most of the cache is selected: every token once, with a mask (see _decode_sdpa)
         counts = torch.zeros((B, H_kv, C // page_size), dtype=torch.float32, device=q.device)
         counts.scatter_add_(2, pages.long(), _ones(q, pages.shape))
-        mask = counts.log_().repeat_interleave(page_size, dim=2)[:, :, None, :length]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(B, H_kv, G, D), k[:, :, :length], v[:, :, :length], attn_mask=mask, scale=scale)
-        return out.reshape(B, H_q, Dv)
+        counts = counts.repeat_interleave(page_size, dim=2)[:, :, :length]
+        return _masked_dense(q, k[:, :, :length], v[:, :, :length], counts, None, scale)
     per_head = C // page_size
     rows = (torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1) * per_head + pages).reshape(-1)
-    ks = _take_pages(k, rows, page_size, workspace, "k").view(B, H_kv, n * page_size, D)
-    vs = _take_pages(v, rows, page_size, workspace, "v").view(B, H_kv, n * page_size, Dv)
-    live = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).view(B, H_kv, 1, -1) < length
+    ks = _select(k.view(-1, page_size * D), rows, workspace, "k").view(B, H_kv, n * page_size, D)
+    vs = _select(v.view(-1, page_size * Dv), rows, workspace, "v").view(B, H_kv, n * page_size, Dv)
+    if newest_last:
+        live = None
+        cut = n * page_size - (-length % page_size)  # the newest page holds length - (its first) tokens
+        ks, vs = ks[:, :, :cut], vs[:, :, :cut]
+    else:
+        live = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).view(B, H_kv, 1, -1) < length
     if fp32:
         out = torch.nn.functional.scaled_dot_product_attention(
             q.reshape(B, H_kv, G, D), ks, vs, attn_mask=live, scale=scale)
         return out.reshape(B, H_q, Dv)
     qf = q.reshape(B, H_kv, G, D).float()
     scores = torch.matmul(qf, ks.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G, n * page_size)
-    scores.masked_fill_(~live, float("-inf"))
+    if live is not None:
+        scores.masked_fill_(~live, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.matmul(p, vs.float()).reshape(B, H_q, Dv).to(q.dtype)

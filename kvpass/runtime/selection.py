@@ -119,8 +119,9 @@ class QuestState(SiteState):
         qq = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # (B, H_kv, G, 2D)
         meta = self.meta[:, :, :pages]
         if self.policy.gqa == "sum":
-            # the bound is linear in q: the group's sum is one product with the summed query
-            return torch.matmul(meta, qq.sum(2)[..., None])[..., 0]
+            # the bound is linear in q: the group's sum is one product with the summed query, as a row
+            # times meta^T (a matrix-vector product with the vector first is ~3x faster on CPU)
+            return torch.matmul(qq.sum(2, keepdim=True), meta.transpose(-1, -2))[:, :, 0]
         return torch.matmul(qq, meta.transpose(-1, -2)).amax(2)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
@@ -152,5 +153,6 @@ class QuestState(SiteState):
         out = paged_decode_attention_ref(
             call.q[:, :, 0], store.k, store.v, self.pages, self.policy.page_size, call.length, call.scale,
             self.workspace, self.choose_dense(self.pages.shape[2] * self.policy.page_size, call.length),
+            newest_last=True,  # select() lists the newest page last
         )
         return out.unsqueeze(2)
