@@ -52,7 +52,17 @@ def _fresh_dynamo(request):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
+def run_tmp(tmp_path_factory):
+    """A temporary directory shared by every xdist worker of the run (alone: the session's base), for
+    work done once per run under a file lock (the SmolLM2 conversion, the torchrun launch of test_tp)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's base is <run>/popen-gwN; <run> is shared by the run's workers
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2(run_tmp):
     """SmolLM2-135M-Instruct converted once per test run into a fresh temporary cache.
 
     The xdist workers of a run share the cache (a file lock makes the others wait for the first one's
@@ -65,9 +75,7 @@ def smollm2(tmp_path_factory):
 
     from kvpass.models import load_smollm2
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # a worker's base is <run>/popen-gwN; <run> is shared by the run's workers
+    root = run_tmp
     cache_dir = root / "kvpass_cache"
     with FileLock(str(root / "kvpass_cache.lock")):  # beside the cache: test_models lists its folder
         cache_dir.mkdir(exist_ok=True)
