@@ -38,12 +38,17 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
+#: The fixtures of models compiled once per test process: their tests keep dynamo's cache.
+KEEP_DYNAMO = frozenset({"smollm2_compiled", "padded_compiled"})
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     """Each test compiles from a clean dynamo cache (recompile limits are per code object), except the
-    tests on the shared compiled SmolLM2 (``smollm2_compiled``): a reset would drop its graphs. A test
-    between two of them resets as usual; the next one then compiles again (slower, still correct)."""
-    keep = "smollm2_compiled" in request.fixturenames
+    tests on a model compiled once per process (a fixture of ``KEEP_DYNAMO``): a reset would drop its
+    graphs. A test between two of them resets as usual; the next one then compiles again (slower, still
+    correct: the same backend, whose graphs Inductor's cache then serves)."""
+    keep = not KEEP_DYNAMO.isdisjoint(request.fixturenames)
     if not keep:
         torch._dynamo.reset()
     yield
@@ -140,3 +145,38 @@ def smollm2_compiled(smollm2):
     the real model in the default run (tests/test_smollm2.py): see :class:`CompiledSmolLM2`. Tests
     that use it keep dynamo's cache (``_fresh_dynamo``)."""
     return CompiledSmolLM2(smollm2)
+
+
+class CompiledTiny:
+    """One tiny Llama compiled once per test process, one ``kvpass(..., strict=True, **options)``
+    backend per ``graph_key()`` and option set; :meth:`forward` swaps the policy in with ``set_policy``
+    (every site starts afresh), so the tests of a graph key share its graphs (prefill, decode, the
+    batch sizes and lengths earlier tests made dynamic). The graphs of several batch sizes and
+    backends on one forward exceed dynamo's default recompile limit: its tests raise it."""
+
+    def __init__(self, model):
+        self.model = model
+        self._compiled: dict = {}
+
+    def forward(self, policy, **options):
+        """``(backend, compiled forward)`` for ``policy``: install the forward as ``model.forward`` for a
+        run, or call it directly."""
+        from kvpass import kvpass
+
+        key = (policy.graph_key(), tuple(sorted(options.items())))
+        if key not in self._compiled:
+            be = kvpass(policy, strict=True, **options)
+            self._compiled[key] = be, torch.compile(self.model.forward, backend=be)
+        be, fwd = self._compiled[key]
+        be.set_policy(policy)
+        return be, fwd
+
+
+@pytest.fixture(scope="session")
+def padded_compiled():
+    """A 2-layer tiny Llama with ``pad_token_id=0`` for the left-padded batch tests (tests/test_padded.py,
+    tests/test_robustness.py), compiled once per test process: see :class:`CompiledTiny`. Tests that use
+    it keep dynamo's cache (``_fresh_dynamo``) and must not change the model."""
+    from tiny import tiny_llama
+
+    return CompiledTiny(tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0))
