@@ -39,7 +39,7 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 #: The fixtures of models compiled once per test process: their tests keep dynamo's cache.
-KEEP_DYNAMO = frozenset({"smollm2_compiled", "padded_compiled"})
+KEEP_DYNAMO = frozenset({"smollm2_compiled", "compiled_tiny", "padded_compiled"})
 
 
 @pytest.fixture(autouse=True)
@@ -148,35 +148,63 @@ def smollm2_compiled(smollm2):
 
 
 class CompiledTiny:
-    """One tiny Llama compiled once per test process, one ``kvpass(..., strict=True, **options)``
+    """One tiny Llama compiled once per test process, one ``kvpass(policy, strict=..., **options)``
     backend per ``graph_key()`` and option set; :meth:`forward` swaps the policy in with ``set_policy``
-    (every site starts afresh), so the tests of a graph key share its graphs (prefill, decode, the
-    batch sizes and lengths earlier tests made dynamic). The graphs of several batch sizes and
-    backends on one forward exceed dynamo's default recompile limit: its tests raise it."""
+    (every site starts afresh), so the tests of a graph key share its graphs (prefill, decode, and the
+    batch sizes and lengths that earlier tests made dynamic). Several batch sizes and backends on one
+    forward compile more graphs than dynamo's default recompile limit allows: these compiles have
+    their own."""
 
     def __init__(self, model):
         self.model = model
         self._compiled: dict = {}
 
-    def forward(self, policy, **options):
+    def forward(self, policy, strict=True, **options):
         """``(backend, compiled forward)`` for ``policy``: install the forward as ``model.forward`` for a
-        run, or call it directly."""
+        run (tests/tiny.py's ``generate`` takes the backend and compiles anew), or call it directly."""
         from kvpass import kvpass
 
-        key = (policy.graph_key(), tuple(sorted(options.items())))
+        key = (policy.graph_key(), strict, tuple(sorted(options.items())))
         if key not in self._compiled:
-            be = kvpass(policy, strict=True, **options)
-            self._compiled[key] = be, torch.compile(self.model.forward, backend=be)
+            be = kvpass(policy, strict=strict, **options)
+            self._compiled[key] = be, torch.compile(self.model.forward, backend=be, recompile_limit=64)
         be, fwd = self._compiled[key]
         be.set_policy(policy)
         return be, fwd
 
+    def generate(self, policy, ids, new_tokens=6, strict=True, options=None, **kw):
+        """Greedy ``generate`` through the shared compile under ``policy``; returns ``(output, backend)``."""
+        be, fwd = self.forward(policy, strict=strict, **(options or {}))
+        f0 = self.model.forward
+        self.model.forward = fwd
+        try:
+            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      **kw)
+        finally:
+            self.model.forward = f0
+        return out, be
+
 
 @pytest.fixture(scope="session")
-def padded_compiled():
-    """A 2-layer tiny Llama with ``pad_token_id=0`` for the left-padded batch tests (tests/test_padded.py,
-    tests/test_robustness.py), compiled once per test process: see :class:`CompiledTiny`. Tests that use
-    it keep dynamo's cache (``_fresh_dynamo``) and must not change the model."""
+def compiled_tiny():
+    """``get(**tiny_llama_kwargs)``: the :class:`CompiledTiny` of that tiny Llama (tests/tiny.py), built
+    once per test process. Tests that use it keep dynamo's cache (``_fresh_dynamo``) and must not change
+    the model."""
     from tiny import tiny_llama
 
-    return CompiledTiny(tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0))
+    made: dict = {}
+
+    def get(**kw) -> CompiledTiny:
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = CompiledTiny(tiny_llama(**kw))
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def padded_compiled(compiled_tiny):
+    """The 2-layer tiny Llama with ``pad_token_id=0`` of the left-padded batch tests (tests/test_padded.py,
+    tests/test_robustness.py): see :class:`CompiledTiny`."""
+    return compiled_tiny(layers=2, heads=4, kv_heads=2, pad_token_id=0)
