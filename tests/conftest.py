@@ -190,12 +190,15 @@ def compiled_tiny():
     """``get(**tiny_llama_kwargs)``: the :class:`CompiledTiny` of that tiny Llama (tests/tiny.py), built
     once per test process. Tests that use it keep dynamo's cache (``_fresh_dynamo``) and must not change
     the model."""
+    import inspect
+
     from tiny import tiny_llama
 
+    defaults = {k: p.default for k, p in inspect.signature(tiny_llama).parameters.items() if k != "kw"}
     made: dict = {}
 
     def get(**kw) -> CompiledTiny:
-        key = tuple(sorted(kw.items()))
+        key = tuple(sorted({**defaults, **kw}.items()))  # tiny_llama() and tiny_llama(layers=2) are one model
         if key not in made:
             made[key] = CompiledTiny(tiny_llama(**kw))
         return made[key]
