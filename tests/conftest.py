@@ -42,6 +42,33 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 KEEP_DYNAMO = frozenset({"smollm2_compiled", "compiled_tiny", "padded_compiled"})
 
 
+#: Files whose tests are the longest single ones (a SmolLM2 compile, a torchrun launch, a 16-step logged
+#: decode of every policy): they run first, so that the run does not end on one of them while the other
+#: xdist worker has nothing left.
+FIRST = ("test_smollm2.py", "test_tp.py", "test_decode_syncs.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Reorders the run: the files of ``FIRST`` first; then the tests on ``padded_compiled``
+    (tests/test_padded.py, tests/test_robustness.py) one after another, from the first one's place: a
+    test between two of them resets dynamo (``_fresh_dynamo``), and the next would trace its graphs
+    again. Every xdist worker reorders the same way."""
+    def rank(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the collection order otherwise
+
+    def shares(item):
+        return "padded_compiled" in getattr(item, "fixturenames", ())
+
+    first = next((i for i, item in enumerate(items) if shares(item)), None)
+    if first is not None:
+        group = [item for item in items if shares(item)]
+        rest = [item for item in items if not shares(item)]
+        items[:] = rest[:first] + group + rest[first:]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     """Each test compiles from a clean dynamo cache (recompile limits are per code object), except the
