@@ -205,8 +205,8 @@ class CompiledTiny:
         f0 = self.model.forward
         self.model.forward = fwd
         try:
-            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                      **kw)
+            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, **kw)
         finally:
             self.model.forward = f0
         return out, be

@@ -290,7 +290,7 @@ def test_offload_inserts_fetch_ops_and_generates_the_same_tokens(compiled_tiny):
     model = ct.model
     ids = prompt(150)
     kw = dict(budget=40, sinks=4, tokens_per_cluster=16, dense_layers=(0,), decode_window=4, decode_clusters=1)
-    ref, _ = ct.generate(ClusterKV(**kw), ids, new_tokens=8)  # the plain path, on the graphs of the test above
+    ref, _ = ct.generate(ClusterKV(**kw), ids, new_tokens=8)  # the plain path, on the test above's graphs
     torch._dynamo.reset()
     counters.clear()
     be = kvpass(ClusterKV(**kw, offload=True), strict=True)
