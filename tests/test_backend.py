@@ -108,6 +108,30 @@ def test_own_cache_off_keeps_the_model_cache():
     assert not any("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
 
 
+# its own compile: the report's patterns are those of the graphs compiled in this test
+def test_owned_cache_leaves_a_stub_in_the_model_cache_and_the_report_lists_every_site():
+    model = tiny_llama(layers=2)
+    ids = prompt(30)
+    be = kvpass(Full(), strict=True)
+    fwd = model.forward
+    model.forward = torch.compile(fwd, backend=be)
+    try:
+        res = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    finally:
+        model.forward = fwd
+    cache = res.past_key_values
+    assert cache.get_seq_length() == 34  # logical positions never shrink
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == 34 and layer.keys.stride(2) == 0
+        assert layer.keys.untyped_storage().nbytes() < 34 * layer.keys[:, :, 0].numel() * 4
+    for st in be.runtime.sites.values():
+        assert st.store.length == 34
+    assert all("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
+    text = be.report()
+    assert "Full()" in text and "P1 cat" in text
+    assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
+
+
 # The tests below on one tiny model and graph key share its compile (conftest's compiled_tiny),
 # consecutively: the policies are swapped in with set_policy, every site afresh.
 def test_second_generate_does_not_leak_state(compiled_tiny):
@@ -127,30 +151,6 @@ def test_second_generate_does_not_leak_state(compiled_tiny):
         model.forward = fwd
     assert torch.equal(second, fresh)
     assert all(r["prefill_calls"] == 3 for r in be.report_rows())
-
-
-def test_owned_cache_leaves_a_stub_in_the_model_cache_and_the_report_lists_every_site(compiled_tiny):
-    ct = compiled_tiny(layers=2)
-    model = ct.model
-    ids = prompt(30)
-    be, compiled = ct.forward(Full())
-    fwd = model.forward
-    model.forward = compiled
-    try:
-        res = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-    finally:
-        model.forward = fwd
-    cache = res.past_key_values
-    assert cache.get_seq_length() == 34  # logical positions never shrink
-    for layer in cache.layers:
-        assert layer.keys.shape[2] == 34 and layer.keys.stride(2) == 0
-        assert layer.keys.untyped_storage().nbytes() < 34 * layer.keys[:, :, 0].numel() * 4
-    for st in be.runtime.sites.values():
-        assert st.store.length == 34
-    assert all("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
-    text = be.report()
-    assert "Full()" in text and "P1 cat" in text
-    assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
 
 
 def test_beam_search_reorders_the_owned_cache(compiled_tiny):
