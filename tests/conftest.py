@@ -38,12 +38,44 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
+#: The fixtures of models compiled once per test process: their tests keep dynamo's cache.
+KEEP_DYNAMO = frozenset({"smollm2_compiled", "compiled_tiny", "padded_compiled"})
+
+
+#: Files whose tests are the longest single ones (a SmolLM2 compile, a torchrun launch, a 16-step logged
+#: decode of every policy): they run first, so that the run does not end on one of them while the other
+#: xdist worker has nothing left.
+FIRST = ("test_smollm2.py", "test_tp.py", "test_decode_syncs.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Reorders the run: the files of ``FIRST`` first; then the tests on ``padded_compiled``
+    (tests/test_padded.py, tests/test_robustness.py) one after another, from the first one's place: a
+    test between two of them resets dynamo (``_fresh_dynamo``), and the next would trace its graphs
+    again. Every xdist worker reorders the same way."""
+    def rank(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the collection order otherwise
+
+    def shares(item):
+        return "padded_compiled" in getattr(item, "fixturenames", ())
+
+    first = next((i for i, item in enumerate(items) if shares(item)), None)
+    if first is not None:
+        group = [item for item in items if shares(item)]
+        rest = [item for item in items if not shares(item)]
+        items[:] = rest[:first] + group + rest[first:]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(request):
     """Each test compiles from a clean dynamo cache (recompile limits are per code object), except the
-    tests on the shared compiled SmolLM2 (``smollm2_compiled``): a reset would drop its graphs. A test
-    between two of them resets as usual; the next one then compiles again (slower, still correct)."""
-    keep = "smollm2_compiled" in request.fixturenames
+    tests on a model compiled once per process (a fixture of ``KEEP_DYNAMO``): a reset would drop its
+    graphs. A test between two of them resets as usual; the next one then compiles again (slower, still
+    correct: the same backend, whose graphs Inductor's cache then serves)."""
+    keep = not KEEP_DYNAMO.isdisjoint(request.fixturenames)
     if not keep:
         torch._dynamo.reset()
     yield
@@ -52,7 +84,17 @@ def _fresh_dynamo(request):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
+def run_tmp(tmp_path_factory):
+    """A temporary directory shared by every xdist worker of the run (alone: the session's base), for
+    work done once per run under a file lock (the SmolLM2 conversion, the torchrun launch of test_tp)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's base is <run>/popen-gwN; <run> is shared by the run's workers
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2(run_tmp):
     """SmolLM2-135M-Instruct converted once per test run into a fresh temporary cache.
 
     The xdist workers of a run share the cache (a file lock makes the others wait for the first one's
@@ -65,9 +107,7 @@ def smollm2(tmp_path_factory):
 
     from kvpass.models import load_smollm2
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # a worker's base is <run>/popen-gwN; <run> is shared by the run's workers
+    root = run_tmp
     cache_dir = root / "kvpass_cache"
     with FileLock(str(root / "kvpass_cache.lock")):  # beside the cache: test_models lists its folder
         cache_dir.mkdir(exist_ok=True)
@@ -132,3 +172,69 @@ def smollm2_compiled(smollm2):
     the real model in the default run (tests/test_smollm2.py): see :class:`CompiledSmolLM2`. Tests
     that use it keep dynamo's cache (``_fresh_dynamo``)."""
     return CompiledSmolLM2(smollm2)
+
+
+class CompiledTiny:
+    """One tiny Llama compiled once per test process, one ``kvpass(policy, strict=..., **options)``
+    backend per ``graph_key()`` and option set; :meth:`forward` swaps the policy in with ``set_policy``
+    (every site starts afresh), so the tests of a graph key share its graphs (prefill, decode, and the
+    batch sizes and lengths that earlier tests made dynamic). Several batch sizes and backends on one
+    forward compile more graphs than dynamo's default recompile limit allows: these compiles have
+    their own."""
+
+    def __init__(self, model):
+        self.model = model
+        self._compiled: dict = {}
+
+    def forward(self, policy, strict=True, **options):
+        """``(backend, compiled forward)`` for ``policy``: install the forward as ``model.forward`` for a
+        run (tests/tiny.py's ``generate`` takes the backend and compiles anew), or call it directly."""
+        from kvpass import kvpass
+
+        key = (policy.graph_key(), strict, tuple(sorted(options.items())))
+        if key not in self._compiled:
+            be = kvpass(policy, strict=strict, **options)
+            self._compiled[key] = be, torch.compile(self.model.forward, backend=be, recompile_limit=64)
+        be, fwd = self._compiled[key]
+        be.set_policy(policy)
+        return be, fwd
+
+    def generate(self, policy, ids, new_tokens=6, strict=True, options=None, **kw):
+        """Greedy ``generate`` through the shared compile under ``policy``; returns ``(output, backend)``."""
+        be, fwd = self.forward(policy, strict=strict, **(options or {}))
+        f0 = self.model.forward
+        self.model.forward = fwd
+        try:
+            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, **kw)
+        finally:
+            self.model.forward = f0
+        return out, be
+
+
+@pytest.fixture(scope="session")
+def compiled_tiny():
+    """``get(**tiny_llama_kwargs)``: the :class:`CompiledTiny` of that tiny Llama (tests/tiny.py), built
+    once per test process. Tests that use it keep dynamo's cache (``_fresh_dynamo``) and must not change
+    the model."""
+    import inspect
+
+    from tiny import tiny_llama
+
+    defaults = {k: p.default for k, p in inspect.signature(tiny_llama).parameters.items() if k != "kw"}
+    made: dict = {}
+
+    def get(**kw) -> CompiledTiny:
+        key = tuple(sorted({**defaults, **kw}.items()))  # tiny_llama() and tiny_llama(layers=2) are one model
+        if key not in made:
+            made[key] = CompiledTiny(tiny_llama(**kw))
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def padded_compiled(compiled_tiny):
+    """The 2-layer tiny Llama with ``pad_token_id=0`` of the left-padded batch tests (tests/test_padded.py,
+    tests/test_robustness.py): see :class:`CompiledTiny`."""
+    return compiled_tiny(layers=2, heads=4, kv_heads=2, pad_token_id=0)

@@ -23,6 +23,12 @@ SMALL = {
 }
 
 
+# The policies that keep per-batch metadata and serve a left-padded batch row by row
+# (kvpass/runtime/rows.py): tests/test_padded.py compares their rows' selections with each prompt alone.
+# Full and StreamingLLM serve padding themselves.
+SPLIT = ["Quest", "ClusterKV", "CentroidKV", "TailorKV"]
+
+
 def missing_from_small() -> list[str]:
     from kvpass.policies.base import registered_policies
 

@@ -46,24 +46,6 @@ def test_uuid_covers_pass_policy_and_backend():
     assert KVPassGraphPass(a).uuid() == ua  # stable
 
 
-def test_second_generate_does_not_leak_state():
-    # p2 on the fresh backend, then p1, then p2 again: the last equals the first (one compile)
-    model = tiny_llama()
-    p1, p2 = prompt(60, seed=1), prompt(45, seed=2)
-    policy = StreamingLLM(sinks=2, window=12)
-    be = kvpass(policy, strict=True)
-    fwd = model.forward
-    model.forward = torch.compile(fwd, backend=be)
-    try:
-        fresh = model.generate(p2, max_new_tokens=5, do_sample=False)
-        model.generate(p1, max_new_tokens=5, do_sample=False)
-        second = model.generate(p2, max_new_tokens=5, do_sample=False)
-    finally:
-        model.forward = fwd
-    assert torch.equal(second, fresh)
-    assert all(r["prefill_calls"] == 3 for r in be.report_rows())
-
-
 def test_two_models_two_backends_do_not_interfere():
     m1, m2 = tiny_llama(seed=1), tiny_llama(seed=2, layers=3)
     ids = prompt(50)
@@ -117,6 +99,16 @@ def test_a_frame_of_the_inner_model_reaches_the_same_sites():
     assert a != b and be._site_id("layers.0.attn", 0) not in (a, b)  # ambiguous: its own site
 
 
+def test_own_cache_off_keeps_the_model_cache():
+    model = tiny_llama(layers=2)
+    ids = prompt(30)
+    ref = generate(model, ids, new_tokens=4)
+    be = kvpass(StreamingLLM(sinks=2, window=60), own_cache=False, strict=True)
+    assert torch.equal(generate(model, ids, new_tokens=4, backend=be), ref)
+    assert not any("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
+
+
+# its own compile: the report's patterns are those of the graphs compiled in this test
 def test_owned_cache_leaves_a_stub_in_the_model_cache_and_the_report_lists_every_site():
     model = tiny_llama(layers=2)
     ids = prompt(30)
@@ -140,27 +132,38 @@ def test_owned_cache_leaves_a_stub_in_the_model_cache_and_the_report_lists_every
     assert len([ln for ln in text.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
 
 
-def test_own_cache_off_keeps_the_model_cache():
-    model = tiny_llama(layers=2)
-    ids = prompt(30)
-    ref = generate(model, ids, new_tokens=4)
-    be = kvpass(StreamingLLM(sinks=2, window=60), own_cache=False, strict=True)
-    assert torch.equal(generate(model, ids, new_tokens=4, backend=be), ref)
-    assert not any("(owned)" in r["pattern"] for g in be.graphs for r in g.sites)
+# The tests below on one tiny model and graph key share its compile (conftest's compiled_tiny),
+# consecutively: the policies are swapped in with set_policy, every site afresh.
+def test_second_generate_does_not_leak_state(compiled_tiny):
+    # p2 on fresh sites (set_policy), then p1, then p2 again: the last equals the first (one compile)
+    ct = compiled_tiny()
+    model = ct.model
+    p1, p2 = prompt(60, seed=1), prompt(45, seed=2)
+    policy = StreamingLLM(sinks=2, window=12)
+    be, compiled = ct.forward(policy)
+    fwd = model.forward
+    model.forward = compiled
+    try:
+        fresh = model.generate(p2, max_new_tokens=5, do_sample=False)
+        model.generate(p1, max_new_tokens=5, do_sample=False)
+        second = model.generate(p2, max_new_tokens=5, do_sample=False)
+    finally:
+        model.forward = fwd
+    assert torch.equal(second, fresh)
+    assert all(r["prefill_calls"] == 3 for r in be.report_rows())
 
 
-def test_beam_search_reorders_the_owned_cache():
+def test_beam_search_reorders_the_owned_cache(compiled_tiny):
     # Full, then Quest with a budget that covers the context on the same graphs (set_policy)
-    model = tiny_llama(layers=2)
+    ct = compiled_tiny(layers=2)
+    model = ct.model
     ids = prompt(24)
     kw = dict(num_beams=3, num_return_sequences=3)
     ref = generate(model, ids, new_tokens=5, **kw)
-    be = kvpass(Full(), strict=True)
     fwd = model.forward
-    model.forward = torch.compile(fwd, backend=be)
     try:
         for policy in (Full(), Quest(budget=64, page_size=8)):
-            be.set_policy(policy)
+            be, model.forward = ct.forward(policy)
             out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, **kw)
             assert torch.equal(out, ref), policy
     finally:
@@ -168,11 +171,12 @@ def test_beam_search_reorders_the_owned_cache():
     assert [r["policy"] for r in be.report_rows()] == ["Quest", "Quest"]
 
 
-def test_cache_filled_eagerly_is_adopted():
+def test_cache_filled_eagerly_is_adopted(compiled_tiny):
     """An eager prefill followed by compiled decoding: the runtime adopts the model's real cache."""
     from transformers import DynamicCache
 
-    model = tiny_llama(layers=2)
+    ct = compiled_tiny(layers=2)
+    model = ct.model
     ids = prompt(20)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
@@ -180,8 +184,8 @@ def test_cache_filled_eagerly_is_adopted():
         ref_cache = DynamicCache(config=model.config)
         model(ids, past_key_values=ref_cache, use_cache=True)
         ref = model(first, past_key_values=ref_cache, use_cache=True).logits
-        be = kvpass(Full(), strict=True)
-        out = torch.compile(model.forward, backend=be)(first, past_key_values=cache, use_cache=True).logits
+        be, compiled = ct.forward(Full())
+        out = compiled(first, past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(out, ref)
     assert all(st.store.length == 21 for st in be.runtime.sites.values())
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvpass import ClusterKV, Full, KVPassError, kvpass
 from kvpass.runtime import Runtime
 from sites import as_sets, attend_oracle, prefill_then_decode
-from tiny import generate, prompt, tiny_llama
+from tiny import generate, prompt
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -264,15 +264,14 @@ def test_offload_attends_the_same_tokens_from_the_device_tier():
 # test_full_and_covering_budgets_equal_eager (on Full's graphs, with the selection baselines).
 
 
-def test_small_budget_report_and_swap_from_full():
-    model = tiny_llama(layers=3, heads=4, kv_heads=2)
+# The two tests below share one compile of the model (conftest's compiled_tiny), one after the other.
+def test_small_budget_report_and_swap_from_full(compiled_tiny):
+    ct = compiled_tiny(layers=3, heads=4, kv_heads=2)
     ids = prompt(150)
-    be = kvpass(Full(), strict=True)
-    generate(model, ids, new_tokens=4, backend=be)  # prefill, first decode and dynamic-length decode
+    _, be = ct.generate(Full(), ids, new_tokens=4)  # prefill, first decode and dynamic-length decode
     policy = ClusterKV(budget=40, sinks=4, tokens_per_cluster=16, dense_layers=(0,))
-    be.set_policy(policy)  # ClusterKV compiles to the same ops as the selection baselines
     n_graphs = len(be.graphs)
-    generate(model, ids, new_tokens=4, backend=be)
+    ct.generate(policy, ids, new_tokens=4)  # ClusterKV compiles to the same ops as the selection baselines
     rows = be.report_rows()
     assert len(be.graphs) == n_graphs
     dense = [r for r in rows if r["layer"] == 0]
@@ -284,13 +283,14 @@ def test_small_budget_report_and_swap_from_full():
     assert "ClusterKV" in be.report()
 
 
-def test_offload_inserts_fetch_ops_and_generates_the_same_tokens():
+def test_offload_inserts_fetch_ops_and_generates_the_same_tokens(compiled_tiny):
     from torch._dynamo.utils import counters
 
-    model = tiny_llama(layers=3, heads=4, kv_heads=2)
+    ct = compiled_tiny(layers=3, heads=4, kv_heads=2)
+    model = ct.model
     ids = prompt(150)
     kw = dict(budget=40, sinks=4, tokens_per_cluster=16, dense_layers=(0,), decode_window=4, decode_clusters=1)
-    ref = generate(model, ids, new_tokens=8, backend=kvpass(ClusterKV(**kw), strict=True))
+    ref, _ = ct.generate(ClusterKV(**kw), ids, new_tokens=8)  # the plain path, on the test above's graphs
     torch._dynamo.reset()
     counters.clear()
     be = kvpass(ClusterKV(**kw, offload=True), strict=True)

@@ -22,10 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# Each family compiles five graphs (about 10 s on 2 cores). `make test` (CI) runs the baseline and the
-# families whose graphs differ most (sliding-window and global layers, fused QKV with a contiguous
-# copy, partial rotary built by a cat); `make test-all` runs every family.
-FAST = {"Llama", "Gemma3", "Phi3", "GPT-NeoX"}
+# Each family compiles five graphs (about 10 s on 2 cores). `make test` (CI) runs the families whose
+# graphs differ most from Llama's (sliding-window and global layers, fused QKV with a contiguous copy,
+# partial rotary built by a cat); `make test-all` runs every family. Llama itself, in `make test`:
+# test_hand_written_decode_loops_full_equals_eager_and_static_compresses_like_dynamic below (both cache
+# types, Full equals eager, one site per layer, patterns P3/P1 and P2) and, through generate(),
+# tests/test_policies.py::test_full_and_covering_budgets_equal_eager (both cache types).
+FAST = {"Gemma3", "Phi3", "GPT-NeoX"}
 FAMILY_PARAMS = [
     pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow, id=f.name)
     for f in coverage.FAMILIES

@@ -1,7 +1,9 @@
 """Left-padded batches for every policy (invariant 10): each row is served as that prompt alone.
 
 Rows are compared with the same prompt run alone through the same compiled forward: tokens, logits, and
-the selection itself (the positions each site attends, or CentroidKV's merged slots) at every step.
+the selection itself (the positions each site attends, or CentroidKV's merged slots) at every step. The
+tests share one compile per graph key and backend options (conftest's ``padded_compiled``, also used by
+tests/test_robustness.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvpass import CentroidKV, ClusterKV, KVPassError, Quest, TailorKV, kvpass
-from families import SMALL, by_graph_key, left_padded
-from tiny import prompt, tiny_llama
+from families import SMALL, SPLIT, by_graph_key, left_padded
+from tiny import prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread", "many_graphs")
 
@@ -26,8 +28,6 @@ def many_graphs():
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
 
-# the policies that keep per-batch metadata (Full and StreamingLLM serve padding themselves)
-SPLIT = ["Quest", "ClusterKV", "CentroidKV", "TailorKV"]
 NEW = 6
 
 
@@ -72,26 +72,19 @@ def _generate(model, fwd, ids, backend, new=NEW, **kw):
     return out, rec.steps
 
 
-@pytest.fixture(scope="module")
-def padded_model():
-    return tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
-
-
-def test_rows_select_and_answer_what_each_prompt_alone_does(padded_model):
+def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
     """A batch of 3 prompts of 31, 19 and 26 tokens (compressing budgets: every row selects) equals each
     prompt alone, for every policy of SPLIT: the same positions selected (or slots merged) at every site
     and step, the same tokens, logits within rounding; the report has each row's own bytes, equal to the
     alone run's. One compile per graph key: the policies of a key are swapped in with ``set_policy``."""
-    model = padded_model
+    model = padded_compiled.model
     rows = [prompt(n, seed=40 + n)[0] for n in (31, 19, 26)]
     ids, mask = left_padded(rows)
     checked = []
     for group in by_graph_key({name: SMALL[name] for name in SPLIT}):
-        be = kvpass(SMALL[group[0]], strict=True)
-        fwd = torch.compile(model.forward, backend=be)
         for name in group:
             policy = SMALL[name]
-            be.set_policy(policy)
+            be, fwd = padded_compiled.forward(policy)
             out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
             batch_rows = be.report_rows()
             assert all(len(r["rows"]) == 3 for r in batch_rows), f"{name}: every site reports each batch row"
@@ -118,29 +111,26 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_model):
     assert sorted(checked) == sorted(SPLIT)
 
 
-def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_model):
+def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_compiled):
     """Beam search over a padded batch (the rows' states are reordered and copied per beam) gives each
     prompt's beams alone, for a selecting and a merging policy."""
-    model = padded_model
+    model = padded_compiled.model
     rows = [prompt(n, seed=60 + n)[0] for n in (28, 17)]
     ids, mask = left_padded(rows)
-    be = kvpass(SMALL["Quest"], strict=True)  # one compile: CentroidKV shares Quest's graphs (set_policy)
-    fwd = torch.compile(model.forward, backend=be)
     for name in ("Quest", "CentroidKV"):
-        be.set_policy(SMALL[name])
+        be, fwd = padded_compiled.forward(SMALL[name])
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask, num_beams=2)
         for i, r in enumerate(rows):
             alone, _ = _generate(model, fwd, r[None], be, num_beams=2)
             assert torch.equal(out.sequences[i, -NEW:], alone.sequences[0, -NEW:]), (name, i)
 
 
-def test_a_row_that_finishes_early_leaves_the_others_as_alone(padded_model):
+def test_a_row_that_finishes_early_leaves_the_others_as_alone(padded_compiled):
     """Row 0 meets its EOS at the second new token; generate() then feeds it padding while row 1 goes on,
     which must still equal row 1 alone."""
-    model = padded_model
+    model = padded_compiled.model
     rows = [prompt(n, seed=80 + n)[0] for n in (24, 15)]
-    be = kvpass(SMALL["Quest"], strict=True)
-    fwd = torch.compile(model.forward, backend=be)
+    be, fwd = padded_compiled.forward(SMALL["Quest"])
     first, _ = _generate(model, fwd, rows[0][None], be)
     eos = int(first.sequences[0, -NEW + 1])  # row 0's second new token
     second, _ = _generate(model, fwd, rows[1][None], be)
@@ -157,22 +147,15 @@ def test_a_row_that_finishes_early_leaves_the_others_as_alone(padded_model):
     assert torch.equal(out[1, -NEW:], second.sequences[0, -NEW:])
 
 
-_shared: dict = {}
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(9, 40), min_size=2, max_size=3),
     name=st.sampled_from(["Quest", "ClusterKV"]),
 )
-def test_any_padding_gives_each_row_alone(padded_model, lengths, name):
+def test_any_padding_gives_each_row_alone(padded_compiled, lengths, name):
     """Batches of 2-3 prompts of any lengths (so any padding, none included): tokens equal each row alone."""
-    model = padded_model
-    if not _shared:  # one compile for the examples: ClusterKV shares Quest's graphs (set_policy)
-        be = kvpass(SMALL["Quest"], strict=True)
-        _shared["fwd"] = be, torch.compile(model.forward, backend=be)
-    be, fwd = _shared["fwd"]
-    be.set_policy(SMALL[name])
+    model = padded_compiled.model
+    be, fwd = padded_compiled.forward(SMALL[name])  # one compile: ClusterKV shares Quest's graphs
     rows = [prompt(n, seed=n * 7 + i)[0] for i, n in enumerate(lengths)]
     ids, mask = left_padded(rows)
     out, _ = _generate(model, fwd, ids, be, new=4, attention_mask=mask)
@@ -181,13 +164,13 @@ def test_any_padding_gives_each_row_alone(padded_model, lengths, name):
         assert torch.equal(out.sequences[i, -4:], alone.sequences[0, -4:]), (lengths, i)
 
 
-def test_right_padding_and_holes_are_refused_with_the_fix(padded_model):
-    model = padded_model
+def test_right_padding_and_holes_are_refused_with_the_fix(padded_compiled):
+    model = padded_compiled.model
     ids = prompt(20, batch=2, seed=5)
     mask = torch.ones_like(ids)
     mask[1, -4:] = 0  # right padding
     f0 = model.forward
-    model.forward = torch.compile(f0, backend=kvpass(Quest(budget=8, page_size=4), strict=True))
+    model.forward = padded_compiled.forward(Quest(budget=8, page_size=4))[1]
     try:
         with torch.no_grad(), pytest.raises(KVPassError, match="padding_side='left'"):
             model(input_ids=ids, attention_mask=mask)
@@ -195,22 +178,34 @@ def test_right_padding_and_holes_are_refused_with_the_fix(padded_model):
         model.forward = f0
 
 
-def test_padded_batch_on_a_model_kept_cache_equals_rows_alone(padded_model):
+def test_padded_batch_on_a_model_kept_cache_equals_rows_alone(padded_compiled):
     """``own_cache=False`` (the model's DynamicCache holds real, left-padded keys): the rows' states read
     their own positions from it."""
-    model = padded_model
+    model = padded_compiled.model
     rows = [prompt(n, seed=90 + n)[0] for n in (27, 18)]
     ids, mask = left_padded(rows)
     policies = (ClusterKV(budget=16, sinks=2, tokens_per_cluster=4, decode_window=8, decode_clusters=2,
                           dense_layers=()), Quest(budget=16, page_size=4))
-    be = kvpass(policies[0], strict=True, own_cache=False)  # one compile: Quest shares its graphs
-    fwd = torch.compile(model.forward, backend=be)
-    for policy in policies:
-        be.set_policy(policy)
+    for policy in policies:  # one compile: Quest shares ClusterKV's graphs
+        be, fwd = padded_compiled.forward(policy, own_cache=False)
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask)
         for i, r in enumerate(rows):
             alone, _ = _generate(model, fwd, r[None], be)
             assert torch.equal(out.sequences[i, -NEW:], alone.sequences[0, -NEW:]), (policy.name, i)
+
+
+def test_beam_search_on_a_model_kept_cache_is_refused_with_the_fix(padded_compiled):
+    """``own_cache=False``: generate() reorders the model's cache without the runtime seeing it, and
+    Quest's page bounds would then score other beams' keys; the runtime notices on the device (the last
+    step's newest key moved) and raises, naming the fix."""
+    model = padded_compiled.model
+    f0 = model.forward
+    model.forward = padded_compiled.forward(Quest(budget=16, page_size=4), own_cache=False)[1]
+    try:
+        with pytest.raises(KVPassError, match="own_cache=True"):
+            model.generate(prompt(40, seed=3), max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
+    finally:
+        model.forward = f0
 
 
 @pytest.mark.slow  # SmolLM2 at batch 3 compiles its own prefill and decode graphs (minutes)
@@ -291,18 +286,3 @@ def test_a_reordered_batch_continues_as_each_rows_own_history(name):
         torch.testing.assert_close(got[i][0], ref[i][0][rows], atol=1e-6, rtol=1e-6)
         if got[i][1] is not None or ref[i][1] is not None:
             assert torch.equal(got[i][1], ref[i][1][rows]), f"{name}, step {i}: selection differs"
-
-
-def test_beam_search_on_a_model_kept_cache_is_refused_with_the_fix(padded_model):
-    """``own_cache=False``: generate() reorders the model's cache without the runtime seeing it, and
-    Quest's page bounds would then score other beams' keys; the runtime notices on the device (the last
-    step's newest key moved) and raises, naming the fix."""
-    model = padded_model
-    be = kvpass(Quest(budget=16, page_size=4), own_cache=False, strict=True)
-    f0 = model.forward
-    model.forward = torch.compile(f0, backend=be)
-    try:
-        with pytest.raises(KVPassError, match="own_cache=True"):
-            model.generate(prompt(40, seed=3), max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
-    finally:
-        model.forward = f0

@@ -145,6 +145,10 @@ def test_small_budget_attends_budget_tokens():
         assert row["device_bytes"] > 2 * 122 * 2 * 16 * 4
 
 
+# `make test-all`: in `make test`,
+# tests/test_robustness.py::test_left_padded_batches_every_policy_equals_rows_alone runs StreamingLLM on a
+# left-padded batch of prompts of the same lengths (30, 22) and compares tokens and logits
+@pytest.mark.slow
 def test_left_padded_batch_streaming_rows_equal_running_alone():
     model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
     rows = [prompt(30, seed=3)[0], prompt(22, seed=4)[0]]

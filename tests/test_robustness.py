@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvpass import CentroidKV, ClusterKV, Full, KVPassError, Quest, StreamingLLM, TailorKV, kvpass
-from families import SMALL, by_graph_key, left_padded, missing_from_small
+from families import SMALL, SPLIT, by_graph_key, left_padded, missing_from_small
 from sites import prefill_then_decode
 from tiny import prompt, tiny_llama
 
@@ -47,26 +47,31 @@ def _greedy(forward, model, ids, new_tokens, **kw):
 
 
 # -- left padding ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("batches", [(2,), pytest.param((2, 4), marks=pytest.mark.slow)])
+# `make test` runs the policies that serve padding themselves: tests/test_padded.py compares every policy
+# that splits a padded batch into rows (families.SPLIT) with its rows alone at batch 3, tokens, logits and
+# selections. `make test-all` runs every registered policy here, at batches 2 and 4.
+@pytest.mark.parametrize("policies, batches", [
+    pytest.param("not split", (2,), id="not-split-2"),
+    pytest.param("all", (2, 4), marks=pytest.mark.slow, id="all-2-4"),
+])
 @torch._dynamo.config.patch(recompile_limit=64)  # batch sizes 1, 2 and 4 for every graph key on one forward
-def test_left_padded_batches_every_policy_equals_rows_alone(batches):
-    """Batches of 2 (and, in `make test-all`, 4) prompts of different lengths, left-padded: each row
-    equals that row run alone with the same policy (tokens and logits), for every registered policy
-    (tests/test_padded.py compares the selections too, at batch 3). One compilation per graph key: the
-    policies are swapped with ``set_policy``."""
-    model = tiny_llama(layers=2, heads=4, kv_heads=2, pad_token_id=0)
+def test_left_padded_batches_every_policy_equals_rows_alone(padded_compiled, policies, batches):
+    """Batches of 2 (and 4) prompts of different lengths, left-padded: each row equals that row run alone
+    with the same policy (tokens and logits), for every registered policy (`make test`: those not in
+    families.SPLIT, which tests/test_padded.py runs at batch 3, selections too). One compilation per graph
+    key (conftest's ``padded_compiled``): the policies are swapped with ``set_policy``."""
+    model = padded_compiled.model
     rows = [prompt(n, seed=10 + n)[0] for n in (30, 22, 26, 17)]
     new = 5
+    names = [n for n in SMALL if policies == "all" or n not in SPLIT]
+    assert names, "every registered policy is in families.SPLIT"
     problems = []
-    for group in by_graph_key(SMALL):
-        be = kvpass(SMALL[group[0]], strict=True)
-        fwd = torch.compile(model.forward, backend=be)
+    for group in by_graph_key({name: SMALL[name] for name in names}):
         for name in group:
-            be.set_policy(SMALL[name])
             alone = {}
             for batch in batches:
                 ids, mask = left_padded(rows[:batch])
-                be.set_policy(SMALL[name])
+                be, fwd = padded_compiled.forward(SMALL[name])
                 out = _greedy(fwd, model, ids, new, attention_mask=mask)
                 for i, r in enumerate(rows[:batch]):
                     if i not in alone:

@@ -243,35 +243,8 @@ def test_one_bit_layer_holds_a_tenth_of_fp16_with_scales():
 
 
 # -- the model end to end --------------------------------------------------------------------------
-def test_covering_budget_all_sparse_equals_eager():
-    m = tiny_llama(layers=3)
-    ids = prompt(200)
-    ref = generate(m, ids, new_tokens=8)
-    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64))
-    assert torch.equal(generate(m, ids, new_tokens=8, backend=be), ref)
-    rows = be.report_rows()
-    assert [r["tier"] for r in rows] == ["sparse"] * 3
-    assert rows[0]["estimate"].startswith("none (first site")
-    assert [r["estimate"] for r in rows[1:]] == ["layer 0", "layer 1"]
-    assert all(r["host_bytes"] > 0 for r in rows)
-
-
-def test_compressing_run_reports_tiers_traffic_and_estimate():
-    m = tiny_llama(layers=3, seed=2)
-    ids = prompt(300)
-    prof = Profile(config_key(m.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
-    be = kvpass(TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32))
-    out = generate(m, ids, new_tokens=6, backend=be)
-    assert out.shape == (1, 306)
-    rows = be.report_rows()
-    assert [r["tier"] for r in rows] == ["quantised", "sparse", "sparse"]
-    assert rows[0]["host_bytes"] == 0 and rows[0]["quant_ratio"] < 0.25
-    for r in rows[1:]:
-        assert r["tokens_attended"] == 96 and r["bytes_moved"] > 0
-        assert 0.5 < r["estimate_cos"] <= 1.0  # adjacent layers' residual streams are similar
-    assert "estimate" in be.report() or rows
-
-
+# Tests on the same tiny model share its compile (conftest's compiled_tiny: TailorKV policies share a
+# graph key and are swapped in with set_policy, every site afresh).
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_estimated_query_equals_the_models_own_modules(dynamic):
     """q̂_l = RoPE(q_proj_l(norm_l(h_{l-1}))), computed from the eager model's hidden states (also in
@@ -307,16 +280,16 @@ def test_estimated_query_equals_the_models_own_modules(dynamic):
     assert [r["estimate"] for r in be.report_rows()] == ["none (first site: no earlier layer)", "layer 0", "layer 1"]
 
 
-def test_adopted_cache_continues_like_the_compiled_prefill():
+def test_adopted_cache_continues_like_the_compiled_prefill(compiled_tiny):
     from transformers import DynamicCache
 
-    m = tiny_llama(layers=2, seed=1)
+    ct = compiled_tiny(layers=2, seed=1)
+    m = ct.model
     ids = prompt(160, seed=3)
     pol = TailorKV(sparse_budget=64, static_tokens=24, sinks=4)
     outs = []
     for adopt in (False, True):
-        be = kvpass(pol)
-        f = torch.compile(m.forward, backend=be)
+        _, f = ct.forward(pol, strict=False)  # every site afresh: the adopting run has seen no prefill
         cache = DynamicCache(config=m.config)
         with torch.no_grad():
             logits = (m if adopt else f)(ids, past_key_values=cache, use_cache=True).logits
@@ -330,13 +303,13 @@ def test_adopted_cache_continues_like_the_compiled_prefill():
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
 
 
-def test_second_turn_chunk_continues_the_cache():
+def test_second_turn_chunk_continues_the_cache(compiled_tiny):
     from transformers import DynamicCache
 
-    m = tiny_llama(layers=2, seed=1)
+    ct = compiled_tiny(layers=2, seed=1)
+    m = ct.model
     ids, more = prompt(100, seed=3), prompt(7, seed=4)
-    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64))
-    f = torch.compile(m.forward, backend=be)
+    be, f = ct.forward(TailorKV(sparse_budget=1024, static_tokens=64), strict=False)
     cache, ref_cache = DynamicCache(config=m.config), DynamicCache(config=m.config)
     with torch.no_grad():
         f(ids, past_key_values=cache, use_cache=True)
@@ -447,6 +420,36 @@ def test_reordered_site_equals_a_site_fed_each_rows_history(tier, rows):
     _assert_rows_equal(_row_tensors(sa), _row_tensors(sb), tier)
 
 
+# (next to the beam-search tests of the same two models: consecutive, they reuse the graphs)
+def test_covering_budget_all_sparse_equals_eager(compiled_tiny):
+    ct = compiled_tiny(layers=3)
+    ids = prompt(200)
+    ref = generate(ct.model, ids, new_tokens=8)
+    out, be = ct.generate(TailorKV(sparse_budget=1024, static_tokens=64), ids, new_tokens=8, strict=False)
+    assert torch.equal(out, ref)
+    rows = be.report_rows()
+    assert [r["tier"] for r in rows] == ["sparse"] * 3
+    assert rows[0]["estimate"].startswith("none (first site")
+    assert [r["estimate"] for r in rows[1:]] == ["layer 0", "layer 1"]
+    assert all(r["host_bytes"] > 0 for r in rows)
+
+
+def test_compressing_run_reports_tiers_traffic_and_estimate(compiled_tiny):
+    ct = compiled_tiny(layers=3, seed=2)
+    ids = prompt(300)
+    prof = Profile(config_key(ct.model.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
+    pol = TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32)
+    out, be = ct.generate(pol, ids, new_tokens=6, strict=False)
+    assert out.shape == (1, 306)
+    rows = be.report_rows()
+    assert [r["tier"] for r in rows] == ["quantised", "sparse", "sparse"]
+    assert rows[0]["host_bytes"] == 0 and rows[0]["quant_ratio"] < 0.25
+    for r in rows[1:]:
+        assert r["tokens_attended"] == 96 and r["bytes_moved"] > 0
+        assert 0.5 < r["estimate_cos"] <= 1.0  # adjacent layers' residual streams are similar
+    assert "estimate" in be.report() or rows
+
+
 # one prompt x 3 beams, and 2 prompts x 2 beams; each test runs one of them in `make test`, both in
 # `make test-all`
 SLOW = pytest.mark.slow
@@ -455,16 +458,17 @@ BEAMS_COMPRESSING = [pytest.param(1, 3, marks=SLOW), (2, 2)]
 
 
 @pytest.mark.parametrize("prompts, beams", BEAMS_COVERING)
-def test_beam_search_with_a_covering_budget_equals_eager(prompts, beams):
+def test_beam_search_with_a_covering_budget_equals_eager(compiled_tiny, prompts, beams):
     """Every layer sparse (no quantisation) and a budget covering the context: each beam attends
     every token it holds, from the host tier the beam reordering moved, so generate() equals eager
     beam search token for token."""
-    m = tiny_llama(layers=3)
+    ct = compiled_tiny(layers=3)
     ids = prompt(120, batch=prompts, seed=3)
     kw = {"num_beams": beams, "num_return_sequences": beams}
-    ref = generate(m, ids, new_tokens=6, **kw)
-    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=64, sinks=4))
-    assert torch.equal(generate(m, ids, new_tokens=6, backend=be, **kw), ref)
+    ref = generate(ct.model, ids, new_tokens=6, **kw)
+    out, be = ct.generate(TailorKV(sparse_budget=1024, static_tokens=64, sinks=4), ids, new_tokens=6,
+                          strict=False, **kw)
+    assert torch.equal(out, ref)
     assert [r["tier"] for r in be.report_rows()] == ["sparse"] * 3
     assert all(st.events >= 1 for st in be.runtime.sites.values())  # the reorders were followed
 
@@ -498,21 +502,22 @@ class _Forced:
         return forced
 
 
-def _teacher_forced(m, be, histories, prompt_len):
-    """The log-probs (B, V) of ``histories`` run through ``be`` as a batch that is never reordered: a
-    prefill of the first ``prompt_len`` tokens, then each row's own tokens one step at a time (greedy
-    generate, which calls the model as beam search does: the same compiled graphs)."""
+def _teacher_forced(ct, pol, histories, prompt_len):
+    """The log-probs (B, V) of ``histories`` run under ``pol`` through the compile ``ct`` as a batch
+    that is never reordered: a prefill of the first ``prompt_len`` tokens, then each row's own tokens
+    one step at a time (greedy generate, which calls the model as beam search does: the same compiled
+    graphs)."""
     from transformers import LogitsProcessorList
 
     forced = _Forced(histories)
-    out = generate(m, histories[:, :prompt_len], new_tokens=histories.shape[1] - prompt_len + 1, backend=be,
-                   logits_processor=LogitsProcessorList([forced]))
+    out, _ = ct.generate(pol, histories[:, :prompt_len], new_tokens=histories.shape[1] - prompt_len + 1,
+                         strict=False, logits_processor=LogitsProcessorList([forced]))
     assert torch.equal(out[:, :-1], histories)
     return forced.scores
 
 
 @pytest.mark.parametrize("prompts, beams", BEAMS_COMPRESSING)
-def test_beam_search_compressing_equals_runs_without_reordering(prompts, beams):
+def test_beam_search_compressing_equals_runs_without_reordering(compiled_tiny, prompts, beams):
     """A compressing TailorKV (a 2-bit layer whose residual flushes after the reorders, two sparse
     layers scoring 3 of 16 channels with the estimated query, 48 of ~160 tokens attended, 2 recent
     ones, so that the beams' own tokens, the only ones that tell them apart, soon become candidates
@@ -521,18 +526,17 @@ def test_beam_search_compressing_equals_runs_without_reordering(prompts, beams):
     is fed that beam's token history with no reordering at all, and after the last step every per-row
     tensor of every layer (host tier, device tier, channel maxima, packed cache, residual) equals that
     run's. So each row's state is the state of its own history, whatever the beams did."""
-    m = tiny_llama(layers=3, seed=2)
+    ct = compiled_tiny(layers=3, seed=2)
     prompt_len = 156  # 128 tokens packed, 28 in the residual: the flush comes at the 4th decode step
     ids = prompt(prompt_len, batch=prompts, seed=4)
-    prof = Profile(config_key(m.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
+    prof = Profile(config_key(ct.model.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
     pol = TailorKV(profile=prof, quant_bits=2, sparse_budget=48, static_tokens=6, sinks=4,
                    critical_channels=3, group_size=16, residual=32)
     from transformers import LogitsProcessorList
 
     rec = _Recorder()
-    be = kvpass(pol)
-    generate(m, ids, new_tokens=8, backend=be, num_beams=beams, num_return_sequences=beams,
-             logits_processor=LogitsProcessorList([rec]))
+    _, be = ct.generate(pol, ids, new_tokens=8, strict=False, num_beams=beams, num_return_sequences=beams,
+                        logits_processor=LogitsProcessorList([rec]))
     states = [be.runtime.state(i) for i in range(3)]
     assert [st.tier for st in states] == ["quantised", "sparse", "sparse"]
     assert states[0].packed.n == 160 and all(st.events >= 1 for st in states[1:])
@@ -543,7 +547,7 @@ def test_beam_search_compressing_equals_runs_without_reordering(prompts, beams):
     assert any(not torch.equal(a, b[:, : a.shape[1]]) for a, b in itertools.pairwise(histories))
 
     for i, (hist, scores) in enumerate(rec.steps):  # each prefill starts the sites afresh
-        want = _teacher_forced(m, be, hist, prompt_len)
+        want = _teacher_forced(ct, pol, hist, prompt_len)
         torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5, msg=lambda s, i=i: f"step {i}: {s}")
     for layer in range(3):
         _assert_rows_equal(beam_rows[layer], _row_tensors(be.runtime.state(layer)), f"layer {layer}")

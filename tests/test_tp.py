@@ -1,9 +1,10 @@
 """kvpass under transformers tensor parallelism: torchrun, 2 CPU ranks (gloo), a tiny Llama with 4 KV
 heads saved to a temp dir and loaded with ``from_pretrained(dir, tp_plan="auto")`` on every rank.
 
-One torchrun launch (process start and compiles dominate) runs, on every rank: the single-process model
-and the TP model eagerly, ``kvpass(Full())`` compiled, Quest and StreamingLLM on Full's graphs
-(``set_policy``), and plain Inductor on the prefill; the tests below read its JSON."""
+One torchrun launch per test run (process start and compiles dominate; the xdist workers share it)
+runs, on every rank: the single-process model and the TP model eagerly, ``kvpass(Full())`` compiled,
+Quest and StreamingLLM on Full's graphs (``set_policy``), and plain Inductor on the prefill; the tests
+below read its JSON."""
 
 from __future__ import annotations
 
@@ -24,21 +25,33 @@ POLICIES = ["Full()", "Quest(budget=16, page_size=4)", "StreamingLLM(sinks=4, wi
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(run_tmp) -> list[dict]:
+    """The ranks' JSON of one torchrun launch per test run: xdist may give this file's tests to both
+    workers, and the second waits on a file lock for the first one's launch, then reads its JSON (a
+    failed launch leaves none, so the next worker launches again and fails the same way)."""
+    from filelock import FileLock
+
     # the pinned CPU torch ships gloo: without it the suite must fail, not report TP as tested
     assert torch.distributed.is_available() and torch.distributed.is_gloo_available(), (
         "torch.distributed with gloo is not available in this torch build; install the pinned torch==2.13.0")
-    d = tmp_path_factory.mktemp("tp")
+    d = run_tmp / "tp"
     out = d / "ranks.json"
-    args = ["--model", "tiny", "--dir", str(d / "model"), "--kv-heads", str(KV_HEADS), "--prompt-len", "48",
-            "--new-tokens", "6", "--baseline-tokens", "1", "--json", str(out)]
-    for p in POLICIES:
-        args += ["--policy", p]
-    try:
-        proc = launch(RANKS, args, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun with {RANKS} ranks did not finish in {TIMEOUT_S} s:\n{(e.stderr or '')[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with FileLock(str(run_tmp / "tp.lock")):
+        if not out.exists():
+            d.mkdir(exist_ok=True)
+            written = d / "ranks.partial.json"
+            written.unlink(missing_ok=True)
+            args = ["--model", "tiny", "--dir", str(d / "model"), "--kv-heads", str(KV_HEADS), "--prompt-len",
+                    "48", "--new-tokens", "6", "--baseline-tokens", "1", "--json", str(written)]
+            for p in POLICIES:
+                args += ["--policy", p]
+            try:
+                proc = launch(RANKS, args, timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                pytest.fail(f"torchrun with {RANKS} ranks did not finish in {TIMEOUT_S} s:\n"
+                            f"{(e.stderr or '')[-4000:]}")
+            assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            written.rename(out)  # only a launch that succeeded is shared
     res = json.loads(out.read_text())
     assert [r["rank"] for r in res] == list(range(RANKS))
     return res
