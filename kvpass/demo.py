@@ -4,7 +4,7 @@ Loads the bundled SmolLM2-135M-Instruct, hides "The secret passcode is 7391." at
 4,096 tokens of real English prose (CPython's ``pydoc_data.topics``, the Python reference manual), asks
 for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` with
 ``Full`` and each compressed policy (default :data:`DEMO_POLICIES`). Policies that rewrite the graph as
-Full does (the same ``graph_key()``) run on Full's compiled graph through ``backend.set_policy``; one
+Full does (the same ``graph_key()``) run on Full's compiled graphs through ``backend.set_policy``; one
 that inserts ops of its own (offload, TailorKV) gets its own compile.
 
 For each policy it prints the answer, whether it holds the fact, decode milliseconds per token and the
@@ -15,8 +15,9 @@ How it runs: every policy here attends exactly at prefill, so the prompt (all bu
 prefilled once with the model's own forward, and each policy's ``generate`` starts from a copy of that
 cache: its first step feeds the last prompt token, adopts the cache (builds the policy's metadata) and
 gives the first new token. ``torch.compile(..., dynamic=True)`` makes the length symbolic from the first
-compile, so each backend compiles one graph, a one-token step good for any length; a warm-up
-``generate`` of 2 tokens on a 64-token prefix compiles it, so the timed ``generate`` compiles nothing
+compile, so each backend compiles two one-token graphs good for any length: the step that adopts a real
+cache, and the steady step on the stubs kvpass leaves in it; a warm-up ``generate`` of 2 tokens on a
+64-token prefix compiles both, so the timed ``generate`` compiles nothing
 (the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
 decode ms/token is ``(t_last - t_first) / (n - 1)``, the steady steps after the adopting one.
 Generation does not stop at ``<|im_end|>`` so that every policy decodes the same number of tokens; the
@@ -170,7 +171,7 @@ def prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]
 
     with torch.inference_mode():
         out = model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)
-    return [(k, v) for k, v in cache_tensors(out.past_key_values)]
+    return cache_tensors(out.past_key_values)
 
 
 class _Bar:
@@ -209,7 +210,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
 
     ``compiled``: the ``(backend, compiled forward, policy compiled for)`` of an earlier policy. When ``policy`` rewrites the
     graph the same way (same ``graph_key()``: Full, StreamingLLM, Quest, ClusterKV without offload,
-    CentroidKV), its graph is reused through ``set_policy`` and nothing is compiled again; otherwise
+    CentroidKV), its graphs are reused through ``set_policy`` and nothing is compiled again; otherwise
     dynamo is reset and a new backend compiles. Returns ``(result, compiled)``."""
     import warnings
 
@@ -221,13 +222,13 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
     if compiled is not None and compiled[0].policy.graph_key() == policy.graph_key():
         backend, cfwd, compiled_for = compiled
         backend.set_policy(policy)  # every site starts afresh with the new policy
-        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graph compiled for {compiled_for} serves it)"
+        what = f"{name}: warm-up on {WARMUP_TOKENS} tokens (the graphs compiled for {compiled_for} serve it)"
     else:
         torch._dynamo.reset()
         backend = kvpass(policy)
         cfwd = torch.compile(fwd, backend=backend, dynamic=True)
         compiled_for = name
-        what = f"{name}: compiling the decode graph (warm-up on {WARMUP_TOKENS} tokens)"
+        what = f"{name}: compiling the decode graphs (warm-up on {WARMUP_TOKENS} tokens)"
     model.forward = cfwd
     try:
         with torch.inference_mode(), warnings.catch_warnings():
