@@ -8,7 +8,7 @@ Importing kvpass registers nothing and patches nothing: the ``kvpass::`` ops are
 time a backend is built.
 """
 
-from kvpass.api import KVPassBackend, KVPassError, kvpass
+from kvpass.api import KVPassBackend, KVPassError, constant_floats, kvpass
 from kvpass.policies import (
     CentroidKV,
     ClusterKV,
@@ -32,5 +32,6 @@ __all__ = [
     "CentroidKV",
     "TailorKV",
     "policy_from_dict",
+    "constant_floats",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import threading
@@ -15,7 +16,23 @@ from kvpass.policies.base import Policy, bool_problem, policy_from_dict
 from kvpass.runtime.guard import CallCount, GuardedGraph
 from kvpass.runtime.state import KVPassError, Runtime
 
-__all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend"]
+__all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend", "constant_floats"]
+
+
+@contextlib.contextmanager
+def constant_floats():
+    """Trace the model's Python floats (RMSNorm's eps, ``nn.Embedding.norm_type``) as constants while
+    ``torch.compile(..., dynamic=True)`` traces inside this block.
+
+    Under ``dynamic=True`` dynamo passes such floats as symbolic inputs; AOTAutograd then specialises
+    them back (``_tensorify_python_scalars``) and dynamo restarts the frame: every graph is traced and
+    AOT-compiled twice, and on a warm start the first attempt misses the AOTAutograd cache (``kvpass demo`` prints
+    its compile time: docs/demo.md). The floats are guarded
+    on, so a model with other values compiles again rather than running wrong. Wrap the calls that
+    compile (the first ``generate()``), not ``torch.compile`` itself: dynamo traces at the first call.
+    Every ``kvpass`` command runs inside it."""
+    with torch._dynamo.config.patch(specialize_float=True):
+        yield
 
 
 class KVPassBackend:

@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    from kvpass.api import constant_floats
+
     try:
-        return int(args._run(args) or 0)
+        with constant_floats():  # dynamic=True compiles once, not twice (see constant_floats)
+            return int(args._run(args) or 0)
     except (KVPassError, ValueError) as e:
         # User mistakes: a bad policy, a budget the policy rejects, an unsupported model or cache.
         print(f"kvpass: {_clean(e)}", file=sys.stderr)

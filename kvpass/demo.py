@@ -12,10 +12,12 @@ ratio to Full, and the cache the sites hold and attend; then a table, and a PNG 
 bytes held per policy (``--png``).
 
 How it runs: every policy here attends exactly at prefill, so the prompt (all but its last token) is
-prefilled once with the model's own forward, and each policy's ``generate`` starts from a copy of that
-cache: its first step feeds the last prompt token, adopts the cache (builds the policy's metadata) and
+prefilled once with the model's own forward (kept in ``$KVPASS_CACHE/demo``, default
+``~/.cache/kvpass/demo``, so a second run of the same prompt reads it back: :func:`stored_prefill`), and
+each policy's ``generate`` starts from a copy of that cache: its first step feeds the last prompt token, adopts the cache (builds the policy's metadata) and
 gives the first new token. ``torch.compile(..., dynamic=True)`` makes the length symbolic from the first
-compile, so each backend compiles two one-token graphs good for any length: the step that adopts a real
+compile (inside :func:`kvpass.constant_floats`, as every ``kvpass`` command, so each graph is traced
+once), so each backend compiles two one-token graphs good for any length: the step that adopts a real
 cache, and the steady step on the stubs kvpass leaves in it; a warm-up ``generate`` of 2 tokens on a
 64-token prefix compiles both, so the timed ``generate`` compiles nothing
 (the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
@@ -57,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="prompt length in tokens (default 4096; --quick: 2048)")
     p.add_argument("--new-tokens", type=int, default=None, metavar="N",
-                   help="tokens to generate per policy (default 24; --quick: 12, the answer's length)")
+                   help="tokens to generate per policy (default 16; --quick: 12, the answer's length)")
+    p.add_argument("--fresh-prefill", action="store_true",
+                   help="recompute the prompt's prefill instead of reading the one an earlier run of the same "
+                        "prompt, model and thread count kept in $KVPASS_CACHE/demo (default ~/.cache/kvpass/demo)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
     p.add_argument("--png", default="kvpass-demo.png", metavar="PATH",
@@ -172,6 +177,59 @@ def prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]
     with torch.inference_mode():
         out = model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)
     return cache_tensors(out.past_key_values)
+
+
+#: Prefills :func:`stored_prefill` keeps (a 4k one of SmolLM2 is 191 MiB); older ones are deleted.
+PREFILLS_KEPT = 2
+
+
+def prefill_key(model, ids: torch.Tensor) -> str:
+    """What a prefill depends on: the token ids, the model (config, every parameter's name, shape,
+    dtype, sum and a strided sample), torch's and transformers' versions and the thread count (the
+    reductions' order, hence the last bits, follow it)."""
+    import hashlib
+
+    import transformers
+
+    h = hashlib.sha256(f"kvpass-demo-prefill-1|{torch.__version__}|{transformers.__version__}|"
+                       f"{torch.get_num_threads()}|{model.config.to_json_string()}".encode())
+    h.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{flat.double().sum().item()!r}".encode())
+            h.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def stored_prefill(model, ids: torch.Tensor, directory, fresh: bool = False):
+    """:func:`prefill`, kept in ``directory`` under :func:`prefill_key` so that the next run of the
+    same prompt on the same model and machine reads it back instead of recomputing it (a serving
+    engine's prefix cache, in a file). ``fresh`` recomputes and overwrites. Returns ``(kv, read)``:
+    ``read`` is True when the tensors came from the file. A file that cannot be read or written is
+    recomputed, or left unwritten; the prefill is the same either way."""
+    from pathlib import Path
+
+    path = Path(directory) / f"prefill-{prefill_key(model, ids)}.pt"
+    if not fresh and path.exists():
+        try:
+            kv = torch.load(path, weights_only=True)
+            want = ids.shape[1] - 1
+            if isinstance(kv, list) and kv and all(k.shape[2] == want and v.shape[2] == want for k, v in kv):
+                return [(k, v) for k, v in kv], True
+        except (OSError, RuntimeError, ValueError, EOFError):
+            pass
+    kv = prefill(model, ids)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save([(k, v) for k, v in kv], tmp)
+        tmp.replace(path)  # atomic: a concurrent run reads the old file or the new one
+        for old in sorted(path.parent.glob("prefill-*.pt"), key=lambda f: f.stat().st_mtime)[:-PREFILLS_KEPT]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
+    return kv, False
 
 
 class _Bar:
@@ -379,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpass.policies.parse import DEFAULT_POLICY, parse_policy
 
     context = args.context if args.context is not None else (2048 if args.quick else 4096)
-    new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 24)
+    new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 16)
     if new_tokens < 2:
         raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
     if args.threads is not None and args.threads < 1:
@@ -402,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        return _run(policies, context, new_tokens, args.png, args.results_md)
+        return _run(policies, context, new_tokens, args.png, args.results_md, args.fresh_prefill)
     finally:
         torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
 
@@ -434,9 +492,11 @@ def _busy_hint() -> str:
     return ""
 
 
-def _run(policies, context: int, new_tokens: int, png: str, results_md: str | None = None) -> int:
+def _run(policies, context: int, new_tokens: int, png: str, results_md: str | None = None,
+         fresh_prefill: bool = False) -> int:
     from kvpass.models import load_smollm2, smollm2_cache_path
 
+    t_start = time.perf_counter()
     nt = torch.get_num_threads()
     print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {nt} thread{'s' * (nt != 1)}, "
           f"{' vs '.join(short_name(p) for p in policies)}", flush=True)
@@ -450,10 +510,17 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     print(f"  {n} tokens of Python reference prose; {FACT!r} at token {fact_at} "
           f"({100 * fact_at / n:.0f}% depth); question: {QUESTION!r}\n", flush=True)
+    store = smollm2_cache_path().parent / "demo"
     with step(f"prefilling {n - 1} tokens once with the model's own forward (every policy starts from a copy)"):
-        kv = prefill(model, ids)
+        kv, read = stored_prefill(model, ids, store, fresh=fresh_prefill)
         warm_kv = prefill(model, ids[:, :WARMUP_TOKENS])
+        if read:
+            print(f"      read back from {store} (an earlier run's prefill of this prompt on this model and "
+                  "thread count; --fresh-prefill recomputes it)", flush=True)
 
+    from torch._dynamo.utils import counters
+
+    hits0, misses0 = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     results, compiled = [], None
     try:
         for p in policies:
@@ -466,17 +533,24 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
 
     print(f"At {n} tokens of context, {nt} thread{'s' * (nt != 1)}, {new_tokens} tokens decoded per policy:\n")
     print(_table(results) + "\n", flush=True)
+    total_s = time.perf_counter() - t_start
+    hits = counters["inductor"]["fxgraph_cache_hit"] - hits0
+    misses = counters["inductor"]["fxgraph_cache_miss"] - misses0
+    how = (f"prefill {'read back' if read else 'computed'}, compile + warm-up {results[0].compile_s:.0f} s, "
+           f"Inductor's FX graph cache {hits} hit(s), {misses} miss(es)")
+    print(f"whole demo: {total_s:.0f} s after the imports ({how})", flush=True)
     if png:
         title = f"kvpass demo: SmolLM2-135M, {n}-token prompt, CPU {nt} thread{'s' * (nt != 1)}"
         write_png(results, png, title)
         print(f"chart: {png}", flush=True)
     if results_md:
-        write_md(results, results_md, png, n, new_tokens, fact_at)
+        write_md(results, results_md, png, n, new_tokens, fact_at, f"{total_s:.0f} s ({how})")
         print(f"page: {results_md}", flush=True)
     return 0
 
 
-def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int, fact_at: int) -> None:
+def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int, fact_at: int,
+             whole: str = "") -> None:
     """The demo's page: the command as run, the machine, the table, the chart (relative to the page)."""
     import datetime
     import shlex
@@ -488,6 +562,8 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
     page = Path(path)
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     full = results[0]
+    # a run on its own Inductor cache directory (a cold one) says so on its page
+    env = f"TORCHINDUCTOR_CACHE_DIR={shlex.quote(d)} " if (d := os.environ.get("TORCHINDUCTOR_CACHE_DIR")) else ""
     lines = [
         "# kvpass demo", "",
         "<!-- Generated by `kvpass demo --results-md` (kvpass.demo.write_md); do not edit by hand: rerun the "
@@ -495,11 +571,11 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
         f"A fact hidden at token {fact_at} of a {n}-token prompt of Python reference prose, asked for at the "
         f"end; every policy continues from a copy of one exact prefill and decodes {new_tokens} tokens greedily "
         "through `torch.compile(model.forward, backend=kvpass(policy))` (kvpass/demo.py says how it is timed).", "",
-        "```bash", shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass" else "kvpass demo",
+        "```bash", env + (shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass" else "kvpass demo"),
         "```", "",
         f"{m['cpu_count']} cores, {m['threads']} torch thread(s), {m['platform']}; torch {m['torch']}, "
         f"transformers {m['transformers']}; finished {now} (UTC). Compile + warm-up of the first policy: "
-        f"{full.compile_s:.0f} s.", "",
+        f"{full.compile_s:.0f} s." + (f" Whole demo after the imports: {whole}." if whole else ""), "",
         _table(results), "",
         "Speed vs Full: Full's decode ms/token over the policy's, same run. Cache held: the keys, values and "
         "metadata the sites keep, every layer (device and host).", "",

@@ -191,7 +191,7 @@ def calibrate(
     (so the scores come from the same graph pass that serves the model, on any HF decoder); ``P`` of a
     layer is the mean over prompts. ``prompts``: token-id tensors ``(1, T)`` or ``(T,)``, or strings
     with ``tokenizer``. Saves the profile to ``path`` when given."""
-    from kvpass.api import kvpass
+    from kvpass.api import constant_floats, kvpass
     from kvpass.policies.tailorkv import TailorKV
 
     if isinstance(prompts, (str, torch.Tensor)):
@@ -216,7 +216,7 @@ def calibrate(
         if progress:
             print(f"kvpass: calibrating TailorKV on prompt {i + 1}/{len(ids_list)} ({ids.shape[1]} tokens)", flush=True)
         backend.clear_state()
-        with torch.no_grad():
+        with torch.no_grad(), constant_floats():
             forward(input_ids=ids.to(device), use_cache=True)
         scores = backend.runtime.shared.get("tailorkv.scores", {})
         if not scores:

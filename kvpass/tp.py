@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo")
     try:
-        res = _worker(args)
+        from kvpass.api import constant_floats
+
+        with constant_floats():
+            res = _worker(args)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, res)
         if dist.get_rank() == 0:

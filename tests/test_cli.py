@@ -263,6 +263,36 @@ def test_demo_continues_a_copied_prefill_as_generate_does_from_the_prompt():
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before))
 
 
+def test_demo_stored_prefill_reads_back_the_same_tensors_and_only_for_the_same_prompt_and_model(tmp_path):
+    """A second run of one prompt reads the prefill the first one kept, equal to a fresh prefill, without
+    running the model; another prompt, other weights or ``fresh`` compute it again; at most
+    PREFILLS_KEPT files stay."""
+    import torch
+    from tiny import prompt, tiny_llama
+
+    from kvpass import demo
+
+    model, ids = tiny_llama(), prompt(24)
+    with torch.inference_mode():
+        want = demo.prefill(model, ids)
+        kv, read = demo.stored_prefill(model, ids, tmp_path)
+        assert not read
+        fwd = model.forward
+        model.forward = lambda *a, **k: pytest.fail("the stored prefill ran the model")
+        kv2, read2 = demo.stored_prefill(model, ids, tmp_path)
+        model.forward = fwd
+        assert read2
+        for got in (kv, kv2):
+            assert len(got) == len(want)
+            assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(got, want))
+        assert not demo.stored_prefill(model, prompt(24, seed=2), tmp_path)[1]
+        assert not demo.stored_prefill(model, ids, tmp_path, fresh=True)[1]
+        other = tiny_llama(seed=3)
+        got, read3 = demo.stored_prefill(other, ids, tmp_path)
+        assert not read3 and not torch.equal(got[0][0], want[0][0])
+    assert len(list(tmp_path.glob("prefill-*.pt"))) == demo.PREFILLS_KEPT
+
+
 def test_demo_table_and_chart(tmp_path):
     from kvpass import CentroidKV, Full, Quest, StreamingLLM
     from kvpass.demo import Result, _table, short_name, write_png

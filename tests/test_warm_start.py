@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -153,3 +154,26 @@ def test_cache_false_compiles_without_the_caches(tmp_path, monkeypatch):
         torch.compile(model.forward, backend=be)(ids)
     assert counters["inductor"]["fxgraph_cache_miss"] == 0 and counters["kvpass"]["sites_rewritten"] == 1
     assert not (tmp_path / "kvpass").exists()
+
+
+def test_constant_floats_compiles_each_dynamic_graph_once(tmp_path, monkeypatch):
+    """Under dynamic=True dynamo restarts a frame whose float attributes (RMSNorm eps) AOTAutograd
+    specialises, tracing and compiling it twice; inside ``constant_floats()`` it traces each frame once,
+    with the same logits. Both compiles are counted, so the test fails if torch stops restarting (then
+    the helper is moot) or the helper stops preventing it."""
+    from torch._dynamo.utils import counters
+
+    from kvpass import constant_floats
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, ids = tiny_llama(layers=1), prompt(8)
+    aot_calls = []
+    for ctx in (contextlib.nullcontext, constant_floats):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad(), ctx():
+            got = torch.compile(model.forward, backend=kvpass(Full()), dynamic=True)(ids).logits
+        assert counters["stats"]["unique_graphs"] == 1
+        aot_calls.append(counters["aot_autograd"]["total"])
+        torch.testing.assert_close(got, model(ids).logits)
+    assert aot_calls == [2, 1]
