@@ -134,6 +134,50 @@ def test_steps_a_site_never_saw_rebuild_its_metadata_from_the_cache():
     torch.testing.assert_close(a, b)
 
 
+def test_a_model_kept_cache_of_another_sequence_of_equal_length_is_refused():
+    # own_cache=False (a DynamicCache: no cache_position): two sequences of equal length stepping in turn on one site. Their lengths agree;
+    # the newest key the site saw does not, so the step raises instead of using the other's metadata.
+    from kvpass.runtime.state import Runtime
+
+    torch.manual_seed(0)
+    ks = [torch.randn(1, 2, 64, 16) for _ in range(2)]
+    q = torch.randn(1, 4, 1, 16)
+    rt = Runtime(Quest(budget=16, page_size=8))
+    for k in ks:  # each is prefilled; the second one last
+        rt.attend(0, torch.randn(1, 4, 40, 16), k[:, :, :40], k[:, :, :40], None, None, 0.0, True)
+    with pytest.raises(KVPassError, match="does not continue the sequence this site served.*Fix:"):
+        rt.attend(0, q, ks[0][:, :, :41], ks[0][:, :, :41], None, None, 0.0, False)
+    # the sequence that stepped last continues as if alone
+    alone = Runtime(Quest(budget=16, page_size=8))
+    alone.attend(0, torch.randn(1, 4, 40, 16), ks[1][:, :, :40], ks[1][:, :, :40], None, None, 0.0, True)
+    want = alone.attend(0, q, ks[1][:, :, :41], ks[1][:, :, :41], None, None, 0.0, False)
+    got = rt.attend(0, q, ks[1][:, :, :41], ks[1][:, :, :41], None, None, 0.0, False)
+    torch.testing.assert_close(got, want)
+
+
+def test_a_model_kept_cache_shorter_than_the_site_saw_rebuilds_its_metadata():
+    # own_cache=False: a second sequence continues a copy of a shared prefix after the first decoded
+    # past it. The site's metadata describes the first one's longer cache: it is rebuilt from this one.
+    from kvpass.runtime.state import Runtime
+
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 64, 16)
+    kb = torch.cat([k[:, :, :40], torch.randn(1, 2, 24, 16)], dim=2)  # the prefix, then its own tokens
+    k[:, :, 40:] *= 50  # the first sequence's own keys dominate the bounds of the pages they fall in
+    q = torch.randn(1, 4, 1, 16)
+    prefill = torch.randn(1, 4, 40, 16)
+    rt, alone = Runtime(Quest(budget=16, page_size=8)), Runtime(Quest(budget=16, page_size=8))
+    for r in (rt, alone):
+        r.attend(0, prefill, k[:, :, :40], k[:, :, :40], None, None, 0.0, True)
+    for pos in range(40, 56):  # the first sequence decodes 16 tokens (two pages)
+        rt.attend(0, q, k[:, :, : pos + 1], k[:, :, : pos + 1], None, None, 0.0, False)
+    for pos in range(40, 58):  # the second continues the prefix, past the first one's pages
+        got = rt.attend(0, q, kb[:, :, : pos + 1], kb[:, :, : pos + 1], None, None, 0.0, False)
+        want = alone.attend(0, q, kb[:, :, : pos + 1], kb[:, :, : pos + 1], None, None, 0.0, False)
+        assert torch.equal(rt.state(0).last_idx, alone.state(0).last_idx)
+        torch.testing.assert_close(got, want)
+
+
 # -- model.forward = torch.compile(model.forward, backend=b): a forward dynamo ran eagerly says so ----------
 
 def _spent_limit():

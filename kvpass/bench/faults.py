@@ -178,6 +178,23 @@ def interleaved_sequences(model, ids, policy):
     return torch.cat([ids, *toks], dim=1)
 
 
+def interleaved_model_kept(model, ids, policy):
+    """The same with ``own_cache=False`` and two prompts of equal length: the lengths cannot tell the
+    sequences apart, the newest key each site saw can."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend=kvpass(policy, own_cache=False))
+    a = compiled(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    compiled(input_ids=prompt(ids.shape[1], seed=7), past_key_values=DynamicCache(), use_cache=True)
+    toks = [a.logits[:, -1:].argmax(-1)]
+    out = a
+    for _ in range(NEW - 1):
+        out = compiled(input_ids=toks[-1], past_key_values=out.past_key_values, use_cache=True)
+        toks.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat([ids, *toks], dim=1)
+
+
 def clear_state_mid_sequence(model, ids, policy):
     from transformers import DynamicCache
 
@@ -320,6 +337,8 @@ TRIGGERS = [
     Trigger("graph break in attention", "an attention function with torch._dynamo.graph_break(): SDPA eager",
             graph_break_in_attention, ref="eager", policies=('Quest',)),
     Trigger("interleaved sequences", "two caches stepping in turn on one backend", interleaved_sequences),
+    Trigger("interleaved sequences, own_cache=False", "the same with own_cache=False (the model keeps the "
+            "cache) and two prompts of equal length", interleaved_model_kept),
     Trigger("clear_state mid-sequence", "backend.clear_state() between decode steps", clear_state_mid_sequence, policies=('Quest',)),
     Trigger("two threads", "two threads generating with one compiled model, 4 rounds", threads(4), policies=('Full',)),
     Trigger("generate on torch.compile(model)", "torch.compile(model, backend=...) then .generate()",

@@ -229,27 +229,38 @@ def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor
 
 
 def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
-    """A cache the model keeps (``own_cache=False``, StaticCache) is reordered by the caller between steps
-    (beam search) without the runtime seeing it, and per-row metadata would then score other rows' keys.
-    The last step's newest key must still be in each row: checked on the device (``_assert_async``, no
-    host sync on CUDA; on CPU a failed check raises at once)."""
+    """A cache the model keeps (``own_cache=False``, StaticCache) can change between steps without the
+    runtime seeing it: the caller reorders its rows (beam search), or another sequence of the same
+    length stepped on this backend in between (two ``generate`` calls in turn), and the policy's
+    metadata would then score other rows', or another sequence's, keys. The last step's newest key must
+    still be in each row: checked on the device (``_assert_async``, no host sync on CUDA; on CPU a
+    failed check raises at once). Equal keys there are the same sequence (a deeper layer's key depends
+    on the whole prefix), or one whose metadata is the same."""
     k = call.k
     prev = st.tail_key
     # only a step that continues the last one (the same decode step run again, as opcheck does, is not)
-    if (prev is not None and prev.shape[0] > 1 and prev.shape[0] == k.shape[0] and call.past == st.length
+    if (prev is not None and prev.shape[0] == k.shape[0] and call.past == st.length
             and 0 < call.past <= k.shape[2]):
+        what = REORDERED if k.shape[0] > 1 else INTERLEAVED
         try:
-            torch._assert_async((k[:, :, call.past - 1] == prev).all(), REORDERED)
+            torch._assert_async((k[:, :, call.past - 1] == prev).all(), what)
         except RuntimeError as e:
-            raise KVPassError(f"{REORDERED} ({st.policy.name}, layer {st.info.layer})") from e
-    # a batch of one cannot be reordered: no copy per step (row states of a padded batch are batch 1)
-    st.tail_key = k[:, :, call.length - 1].clone() if k.shape[0] > 1 else None
+            raise KVPassError(f"{what} ({st.policy.name}, layer {st.info.layer})") from e
+    st.tail_key = k[:, :, call.length - 1].clone()  # (B, H_kv, D): a few hundred numbers per site
 
 
 REORDERED = (
-    "kvpass: the rows of a cache the model keeps were reordered between steps (beam search), and this "
-    "policy's per-row metadata cannot follow a cache it does not own: use own_cache=True (the default, "
-    "with a DynamicCache) or num_beams=1"
+    "kvpass: the rows of a cache the model keeps were reordered between steps (beam search), or another "
+    "batch stepped on this backend in between, and this policy's per-row metadata cannot follow a cache it "
+    "does not own. Fix: use own_cache=True (the default, with a DynamicCache) or num_beams=1"
+)
+
+INTERLEAVED = (
+    "kvpass: the cache the model keeps (own_cache=False, a StaticCache) does not continue the sequence this site served "
+    "at its last step: another sequence stepped on this backend in between (two generate() calls in turn, "
+    "two threads), and this policy's metadata belongs to that one. Fix: finish one sequence before "
+    "starting the next, use one backend per sequence, or own_cache=True (the default, with a DynamicCache), "
+    "which tells the sequences apart"
 )
 
 
@@ -377,9 +388,11 @@ class SiteState:
         return self.forward(_make_call(q, k, v, attn_mask, scale, is_causal, length, start), owned=True)
 
     def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
-        if not owned and call.past > self.length and self.length:
-            # the model's cache grew by steps this site never saw (they ran eagerly, outside the graph):
-            # its metadata lacks them, so rebuild it from the cache, as for an adopted one
+        if not owned and self.length and (call.past > self.length or call.past < self.length - call.new_tokens):
+            # the model's cache grew by steps this site never saw (they ran eagerly, outside the graph),
+            # or is shorter than what it saw (a crop; another sequence continuing a copy of a shared
+            # prefix): its metadata does not describe this cache, so rebuild it from the cache, as for an
+            # adopted one. (past == length - new_tokens is the same step run again, as opcheck does.)
             call.start = 0
         if static:
             # a static cache is one buffer per sequence: another buffer mid-sequence is another sequence
