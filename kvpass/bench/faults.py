@@ -162,37 +162,30 @@ def graph_break_in_attention(model, ids, policy):
     return out if said else torch.zeros_like(out)  # silent: counted wrong
 
 
-def interleaved_sequences(model, ids, policy):
-    """Two caches stepping in turn on one backend: the first continues after the second started."""
+def _interleaved(model, ids, backend, other: torch.Tensor) -> torch.Tensor:
+    """``ids`` is prefilled, then ``other`` on a cache of its own, then ``ids``'s sequence decodes."""
     from transformers import DynamicCache
 
     torch._dynamo.reset()
-    compiled = torch.compile(model.forward, backend=kvpass(policy))
-    a = compiled(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-    compiled(input_ids=prompt(33, seed=7), past_key_values=DynamicCache(), use_cache=True)
-    toks = [a.logits[:, -1:].argmax(-1)]
-    out = a
+    compiled = torch.compile(model.forward, backend=backend)
+    out = compiled(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    compiled(input_ids=other, past_key_values=DynamicCache(), use_cache=True)
+    toks = [out.logits[:, -1:].argmax(-1)]
     for _ in range(NEW - 1):
         out = compiled(input_ids=toks[-1], past_key_values=out.past_key_values, use_cache=True)
         toks.append(out.logits[:, -1:].argmax(-1))
     return torch.cat([ids, *toks], dim=1)
+
+
+def interleaved_sequences(model, ids, policy):
+    """Two caches stepping in turn on one backend: the first continues after the second started."""
+    return _interleaved(model, ids, kvpass(policy), prompt(33, seed=7))
 
 
 def interleaved_model_kept(model, ids, policy):
     """The same with ``own_cache=False`` and two prompts of equal length: the lengths cannot tell the
     sequences apart, the newest key each site saw can."""
-    from transformers import DynamicCache
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model.forward, backend=kvpass(policy, own_cache=False))
-    a = compiled(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-    compiled(input_ids=prompt(ids.shape[1], seed=7), past_key_values=DynamicCache(), use_cache=True)
-    toks = [a.logits[:, -1:].argmax(-1)]
-    out = a
-    for _ in range(NEW - 1):
-        out = compiled(input_ids=toks[-1], past_key_values=out.past_key_values, use_cache=True)
-        toks.append(out.logits[:, -1:].argmax(-1))
-    return torch.cat([ids, *toks], dim=1)
+    return _interleaved(model, ids, kvpass(policy, own_cache=False), prompt(ids.shape[1], seed=7))
 
 
 def clear_state_mid_sequence(model, ids, policy):
