@@ -26,11 +26,11 @@ def constant_floats():
 
     Under ``dynamic=True`` dynamo passes such floats as symbolic inputs; AOTAutograd then specialises
     them back (``_tensorify_python_scalars``) and dynamo restarts the frame: every graph is traced and
-    AOT-compiled twice, and on a warm start the first attempt misses the AOTAutograd cache (``kvpass demo`` prints
-    its compile time: docs/demo.md). The floats are guarded
-    on, so a model with other values compiles again rather than running wrong. Wrap the calls that
-    compile (the first ``generate()``), not ``torch.compile`` itself: dynamo traces at the first call.
-    Every ``kvpass`` command runs inside it."""
+    AOT-compiled twice, and on a warm start the first attempt misses the AOTAutograd cache
+    (docs/design.md, "``dynamic=True`` traces each graph once"). The floats are guarded on, so a model
+    with other values compiles again rather than running wrong. Wrap the calls that compile (the first
+    ``generate()``), not ``torch.compile`` itself: dynamo traces at the first call. Every ``kvpass``
+    command runs inside it."""
     with torch._dynamo.config.patch(specialize_float=True):
         yield
 

@@ -14,10 +14,11 @@ bytes held per policy (``--png``).
 How it runs: every policy here attends exactly at prefill, so the prompt (all but its last token) is
 prefilled once with the model's own forward (kept in ``$KVPASS_CACHE/demo``, default
 ``~/.cache/kvpass/demo``, so a second run of the same prompt reads it back: :func:`stored_prefill`), and
-each policy's ``generate`` starts from a copy of that cache: its first step feeds the last prompt token, adopts the cache (builds the policy's metadata) and
-gives the first new token. ``torch.compile(..., dynamic=True)`` makes the length symbolic from the first
-compile (inside :func:`kvpass.constant_floats`, as every ``kvpass`` command, so each graph is traced
-once), so each backend compiles two one-token graphs good for any length: the step that adopts a real
+each policy's ``generate`` starts from a copy of that cache: its first step feeds the last prompt token,
+adopts the cache (builds the policy's metadata) and gives the first new token.
+``torch.compile(..., dynamic=True)`` makes the length symbolic from the first compile (inside
+:func:`kvpass.constant_floats`, as every ``kvpass`` command, so each graph is traced once), so each
+backend compiles two one-token graphs good for any length: the step that adopts a real
 cache, and the steady step on the stubs kvpass leaves in it; a warm-up ``generate`` of 2 tokens on a
 64-token prefix compiles both, so the timed ``generate`` compiles nothing
 (the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
@@ -195,10 +196,10 @@ def prefill_key(model, ids: torch.Tensor) -> str:
 
     h = hashlib.sha256(f"kvpass-demo-prefill-1|{torch.__version__}|{transformers.__version__}|"
                        f"{torch.get_num_threads()}|{model.config.to_json_string()}".encode())
-    h.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(ids.to("cpu", torch.int64).contiguous().numpy().tobytes())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
+            flat = p.detach().reshape(-1).cpu()
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{flat.double().sum().item()!r}".encode())
             h.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
     return h.hexdigest()[:32]
