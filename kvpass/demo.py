@@ -219,14 +219,14 @@ def stored_prefill(model, ids: torch.Tensor, directory, fresh: bool = False):
             kv = torch.load(path, weights_only=True)
             want = ids.shape[1] - 1
             if isinstance(kv, list) and kv and all(k.shape[2] == want and v.shape[2] == want for k, v in kv):
-                return [(k, v) for k, v in kv], True
+                return kv, True
         except (OSError, RuntimeError, ValueError, EOFError):
             pass
     kv = prefill(model, ids)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save([(k, v) for k, v in kv], tmp)
+        torch.save(kv, tmp)
         tmp.replace(path)  # atomic: a concurrent run reads the old file or the new one
         for old in sorted(path.parent.glob("prefill-*.pt"), key=lambda f: f.stat().st_mtime)[:-PREFILLS_KEPT]:
             old.unlink(missing_ok=True)
@@ -574,7 +574,8 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
         f"A fact hidden at token {fact_at} of a {n}-token prompt of Python reference prose, asked for at the "
         f"end; every policy continues from a copy of one exact prefill and decodes {new_tokens} tokens greedily "
         "through `torch.compile(model.forward, backend=kvpass(policy))` (kvpass/demo.py says how it is timed).", "",
-        "```bash", env + (shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass" else "kvpass demo"),
+        "```bash", env + (shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass"
+                          else "kvpass demo"),
         "```", "",
         f"{m['cpu_count']} cores, {m['threads']} torch thread(s), {m['platform']}; torch {m['torch']}, "
         f"transformers {m['transformers']}; finished {now} (UTC). Compile + warm-up of the first policy: "

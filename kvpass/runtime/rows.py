@@ -75,6 +75,7 @@ class RowSplit:
     def _new_row(self, b: int) -> SiteState:
         p = self.parent
         sub = p.policy.new_state(p.info)
+        sub.checks_kept = False  # run() checks the whole batch's newest keys once per step
         sub.probe = p.probe
         # decisions that need every layer (CentroidKV's outlier heads) are made per row, as alone
         sub.shared = p.shared.setdefault("rows", {}).setdefault(b, {})

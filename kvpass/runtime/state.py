@@ -256,11 +256,11 @@ REORDERED = (
 )
 
 INTERLEAVED = (
-    "kvpass: the cache the model keeps (own_cache=False, a StaticCache) does not continue the sequence this site served "
-    "at its last step: another sequence stepped on this backend in between (two generate() calls in turn, "
-    "two threads), and this policy's metadata belongs to that one. Fix: finish one sequence before "
-    "starting the next, use one backend per sequence, or own_cache=True (the default, with a DynamicCache), "
-    "which tells the sequences apart"
+    "kvpass: the cache the model keeps (own_cache=False, a StaticCache) does not continue the sequence "
+    "this site served at its last step: another sequence stepped on this backend in between (two "
+    "generate() calls in turn, two threads), and this policy's metadata belongs to that one. Fix: finish "
+    "one sequence before starting the next, use one backend per sequence, or own_cache=True (the default, "
+    "with a DynamicCache), which tells the sequences apart"
 )
 
 
@@ -282,6 +282,7 @@ class SiteState:
     then serves a padded batch with one state per row (:mod:`kvpass.runtime.rows`)."""
 
     rows_native = True  # serves a left-padded batch itself (exact attention and StreamingLLM mask padding)
+    checks_kept = True  # check_rows_kept on a model-kept cache; False for a row state (its split checks the batch)
 
     def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
         from kvpass.runtime.store import OwnedKV, StubRows
@@ -404,7 +405,7 @@ class SiteState:
             self.static_ptr = ptr
         if call.start == 0:
             self.reset()
-        if not owned and not self.rows_native:
+        if not owned and not self.rows_native and self.checks_kept:
             check_rows_kept(self, call)
         event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
         call.valid = self.pad.valid(call.attn_mask, call.length, event)
