@@ -373,6 +373,23 @@ class KVPassBackend:
         self.policy = policy
         self.runtime.set_policy(policy)
 
+    def adopt(self, cache) -> Any:
+        """Hand a filled ``DynamicCache`` (B, H_kv, L, D per layer: a prefill run outside this backend, a
+        prefix cache read back) to the runtime before the first decode step; returns ``cache``, its layers
+        now stubs.
+
+        Without it the first step adopts the real keys itself, and its graph (real tensors in, stubs
+        out) is compiled apart from the steady step's (stubs in and out): ``adopt`` saves that compile,
+        about a minute for SmolLM2 on a 2-core CPU (kvpass/runtime/adopt.py). Results are the same.
+        Every layer must reach a kvpass site: a layer the pass left exact raises after the step. With
+        ``own_cache=False`` the model's cache keeps its keys, and ``adopt`` returns it unchanged."""
+        if self.own_cache:
+            from kvpass.runtime.adopt import adopt_cache
+
+            with self.runtime._lock:
+                adopt_cache(self.runtime.adoption, self.runtime, cache)
+        return cache
+
     def clear_state(self) -> None:
         """Forget every site's sequence state (a new prefill does this by itself).
 

@@ -14,14 +14,14 @@ bytes held per policy (``--png``).
 How it runs: every policy here attends exactly at prefill, so the prompt (all but its last token) is
 prefilled once with the model's own forward (kept in ``$KVPASS_CACHE/demo``, default
 ``~/.cache/kvpass/demo``, so a second run of the same prompt reads it back: :func:`stored_prefill`), and
-each policy's ``generate`` starts from a copy of that cache: its first step feeds the last prompt token,
-adopts the cache (builds the policy's metadata) and gives the first new token.
+each policy's ``generate`` starts from that cache, handed to the backend first
+(``backend.adopt(cache)``: the runtime copies the keys and the cache holds stubs): its first step feeds the
+last prompt token, builds the policy's metadata from the adopted keys and gives the first new token.
 ``torch.compile(..., dynamic=True)`` makes the length symbolic from the first compile (inside
-:func:`kvpass.constant_floats`, as every ``kvpass`` command, so each graph is traced once), so each
-backend compiles two one-token graphs good for any length: the step that adopts a real
-cache, and the steady step on the stubs kvpass leaves in it; a warm-up ``generate`` of 2 tokens on a
-64-token prefix compiles both, so the timed ``generate`` compiles nothing
-(the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
+:func:`kvpass.constant_floats`, as every ``kvpass`` command, so each graph is traced once), and with the
+cache adopted every step runs on stubs, so each backend compiles one one-token graph good for any length;
+a warm-up ``generate`` of 2 tokens on a 64-token prefix compiles it, so the timed ``generate`` compiles
+nothing (the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
 decode ms/token is ``(t_last - t_first) / (n - 1)``, the steady steps after the adopting one.
 Generation does not stop at ``<|im_end|>`` so that every policy decodes the same number of tokens; the
 answer is cut there.
@@ -255,12 +255,13 @@ class _Bar:
             self.bar.close()
 
 
-def _generate(model, ids, kv, new_tokens: int, stamps=None):
-    """Greedy ``generate`` of ``new_tokens`` after ``ids`` from a copy of the cache ``kv`` of all but
-    its last token."""
+def _generate(model, ids, kv, new_tokens: int, backend, stamps=None):
+    """Greedy ``generate`` of ``new_tokens`` after ``ids`` from the cache ``kv`` of all but its last
+    token, handed to ``backend`` first (:meth:`~kvpass.api.KVPassBackend.adopt` copies it into the
+    runtime, so ``kv`` is left as it is)."""
     from kvpass.bench.timing import cache_from, generation_config
 
-    cache = cache_from(model, [(k.clone(), v.clone()) for k, v in kv])
+    cache = backend.adopt(cache_from(model, list(kv)))
     return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                           generation_config=generation_config(model, new_tokens), streamer=stamps)
 
@@ -296,7 +297,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # listed in the result
             with step(what):
                 t0 = time.perf_counter()
-                _generate(model, ids[:, :WARMUP_TOKENS], warm_kv, 2)
+                _generate(model, ids[:, :WARMUP_TOKENS], warm_kv, 2, backend)
                 compile_s = time.perf_counter() - t0
             n_graphs = len(backend.graphs)
             with step(f"{name}: decode {new_tokens} tokens after {ids.shape[1]}"):
@@ -304,7 +305,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
                 stamps = Stamps(on_token=bar.update)
                 start = time.perf_counter()
                 try:
-                    out = _generate(model, ids, kv, new_tokens, stamps)
+                    out = _generate(model, ids, kv, new_tokens, backend, stamps)
                 finally:
                     bar.close()
     finally:

@@ -379,7 +379,7 @@ def run_decode_cost(
                             beyond = any(g[2] > max_pos and min(g[3], 2) == b for g in cells)
                             for wc in _WARM_CONTEXTS + ((max_pos + _WARM_CONTEXTS[0],) if beyond else ()):
                                 backend.set_policy(first)
-                                cache = cache_from(model, _cell_kv(prefill_kv, wc, b))
+                                cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, wc, b)))
                                 _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
                                 del cache
                         compile_s = time.perf_counter() - t0
@@ -429,6 +429,8 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, s
     if backend is not None:
         backend.set_policy(policy)
     cache = cache_from(model, _cell_kv(prefill_kv, context, batch))
+    if backend is not None:
+        backend.adopt(cache)  # the first step runs the steady graph (kvpass/runtime/adopt.py)
     g0 = len(backend.graphs) if backend is not None else 0
     ids, warm = _decode(fwd, cache, ids, warmup_steps)
     g1 = len(backend.graphs) if backend is not None else 0

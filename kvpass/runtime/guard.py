@@ -1,6 +1,6 @@
 """The wrapper around every graph a kvpass backend compiles: right or loud at the graph's edge.
 
-Three checks, one pass over the graph's inputs and outputs per call (not per site), make three silent
+Four checks, one pass over the graph's inputs and outputs per call (not per site), make four silent
 failures loud (invariant 9; docs/design.md, "Right or loud at the graph's edge"):
 
 - **Stubs go in plain and come out as :class:`~kvpass.runtime.store.CacheStub`.** A stub in the
@@ -9,6 +9,8 @@ failures loud (invariant 9; docs/design.md, "Right or loud at the graph's edge")
 - **A stub of a sequence the backend no longer holds is refused.** Two sequences interleaved on one
   backend (two ``generate`` calls stepping in turn, or two threads) would otherwise continue one
   sequence from the other's state.
+- **Every stub handed to ``backend.adopt()`` is taken by its site** (kvpass/runtime/adopt.py): one
+  that reached a layer the pass left exact was read as keys, so the step raises instead of returning.
 - **One thread at a time.** A graph call while another thread is inside one of this backend's graphs
   raises at once: the per-site state belongs to one sequence (invariant 4).
 """
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from kvpass.runtime.adopt import ADOPTED
 from kvpass.runtime.state import KVPassError
 from kvpass.runtime.store import CacheStub, as_cache_stub, plain
 
@@ -59,17 +62,30 @@ class GuardedGraph:
                 "backend"
             )
         try:
-            args = [self._unwrap(a) if type(a) is CacheStub else a for a in args]
+            adopted: list[CacheStub] = []
+            args = [self._unwrap(a, adopted) if type(a) is CacheStub else a for a in args]
             out = self.compiled(*args)
+            if adopted:
+                self._check_adopted(adopted)
             self.calls += 1
             self.tally.n += 1
             return self._tag(out)
         finally:
             self.busy.release()
 
-    def _unwrap(self, stub: CacheStub) -> torch.Tensor:
+    def _unwrap(self, stub: CacheStub, adopted: list) -> torch.Tensor:
         tag = stub._kvpass_tag
-        if tag is not None:
+        if tag is not None and tag[0] == ADOPTED:
+            if tag[1] is not self.runtime or not self.runtime.adoption.waiting(stub):
+                raise KVPassError(
+                    f"kvpass: layer {tag[2]} of the model's cache was handed to backend.adopt() of "
+                    + ("another backend" if tag[1] is not self.runtime else
+                       "this backend, and its keys were taken by an earlier step or dropped since "
+                       "(backend.clear_state(), set_policy(), a later adopt())")
+                    + ". Fix: adopt the prefilled cache with the backend that decodes it, right before "
+                    "generate()")
+            adopted.append(stub)
+        elif tag is not None:
             site, state, epoch = tag
             if self.runtime.sites.get(site) is not state or state.epoch != epoch:
                 info = state.info
@@ -83,6 +99,18 @@ class GuardedGraph:
                     "kvpass(...) backend"
                 )
         return plain(stub)
+
+    def _check_adopted(self, adopted: list[CacheStub]) -> None:
+        """Every adopted stub this graph was given must have been taken by its site: one that was not
+        reached an op that is no kvpass site (a layer the pass left exact), which read it as keys."""
+        left = sorted({s._kvpass_tag[2] for s in adopted if self.runtime.adoption.waiting(s)})
+        if left:
+            self.runtime.adoption.clear()
+            raise KVPassError(
+                f"kvpass: layer(s) {left} of the cache handed to backend.adopt() reached no kvpass site of "
+                "this graph (the pass left them exact, or own_cache=False), so the step read their stubs as "
+                "keys; its output is discarded. Fix: generate from the real cache, without adopt() (the "
+                "first decode step then adopts what it can)")
 
     def _tag(self, out: Any) -> Any:
         if not isinstance(out, (list, tuple)):

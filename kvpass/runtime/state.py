@@ -588,6 +588,9 @@ class Runtime:
         # the storage of every stub base a site has handed out -> the site (graph outputs that are
         # stubs are tagged with their site's sequence by the backend)
         self.stub_sites: dict[int, int] = {}
+        from kvpass.runtime.adopt import Adoption
+
+        self.adoption = Adoption()  # layers handed over by backend.adopt(), waiting for their first step
         # key: what the graphs depend on (the backend passes policy and options); see registry
         self.handle = registry.register(self, policy.key() if key is None else key)
 
@@ -646,6 +649,8 @@ class Runtime:
         """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
         with self._lock:
+            if self.adoption and past_k is not None:  # the first step after backend.adopt()
+                past_k, past_v = self.adoption.take(past_k, past_v)
             return self.state(site).run_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
 
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
@@ -676,6 +681,7 @@ class Runtime:
 
     def reset(self) -> None:
         with self._lock:
+            self.adoption.clear()
             self.shared.clear()
             for st in self.sites.values():
                 st.reset()
@@ -684,5 +690,6 @@ class Runtime:
         """Every site starts afresh under ``policy`` (the graphs are unchanged)."""
         with self._lock:
             self.policy = policy
+            self.adoption.clear()
             self.sites.clear()
             self.shared.clear()

@@ -114,7 +114,9 @@ def eager_read_message(func, args, kwargs) -> str:
     tag = next((a._kvpass_tag for a in torch.utils._pytree.tree_leaves((args, kwargs))
                 if type(a) is CacheStub and a._kvpass_tag is not None), None)
     where = ""
-    if tag is not None:
+    if tag is not None and tag[0] == "adopted":  # kvpass.runtime.adopt
+        where = f" of layer {tag[2]} (handed to backend.adopt())"
+    elif tag is not None:
         info = tag[1].info
         where = f" of layer {info.layer} ({info.module_path})"
     name = getattr(func, "__name__", str(func))
