@@ -22,7 +22,8 @@ last prompt token, builds the policy's metadata from the adopted keys and gives 
 cache adopted every step runs on stubs, so each backend compiles one one-token graph good for any length;
 a warm-up ``generate`` of 2 tokens on a 64-token prefix compiles it, so the timed ``generate`` compiles
 nothing (the demo says so if it did). A streamer stamps ``time.perf_counter()`` as each token comes out:
-decode ms/token is ``(t_last - t_first) / (n - 1)``, the steady steps after the adopting one.
+decode ms/token is the median of the ``n - 1`` intervals between tokens, the steady steps after the
+first (a median, because a 2-thread step on a shared machine now and then stalls for tens of ms).
 Generation does not stop at ``<|im_end|>`` so that every policy decodes the same number of tokens; the
 answer is cut there.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -66,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-prefill", action="store_true",
                    help="recompute the prompt's prefill instead of reading the one an earlier run of the same "
                         "prompt, model and thread count kept in $KVPASS_CACHE/demo (default ~/.cache/kvpass/demo)")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="decode N copies of the prompt as one batch, as a server batches sequences (default 1); "
+                        "the table gives ms per step and the cache of all N")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
     p.add_argument("--png", default="kvpass-demo.png", metavar="PATH",
@@ -160,6 +165,8 @@ class Result:
     recompiled: int = 0
     graphs: int = 0  # dynamo graphs the backend holds after the warm-up
     left_exact: list = field(default_factory=list)
+    batch: int = 1  # copies of the prompt decoded as one batch
+    rows_agree: bool = True  # every row gave row 0's tokens
 
     @property
     def found(self) -> bool:
@@ -255,18 +262,21 @@ class _Bar:
             self.bar.close()
 
 
-def _generate(model, ids, kv, new_tokens: int, backend, stamps=None):
-    """Greedy ``generate`` of ``new_tokens`` after ``ids`` from the cache ``kv`` of all but its last
-    token, handed to ``backend`` first (:meth:`~kvpass.api.KVPassBackend.adopt` copies it into the
-    runtime, so ``kv`` is left as it is)."""
+def _generate(model, ids, kv, new_tokens: int, backend, stamps=None, batch: int = 1):
+    """Greedy ``generate`` of ``new_tokens`` after ``ids (1, n)`` from the cache ``kv`` of all but its
+    last token, as a batch of ``batch`` copies, handed to ``backend`` first
+    (:meth:`~kvpass.api.KVPassBackend.adopt` copies it into the runtime, so ``kv`` is left as it is)."""
     from kvpass.bench.timing import cache_from, generation_config
 
-    cache = backend.adopt(cache_from(model, list(kv)))
+    ids = ids.expand(batch, -1)
+    kv = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in kv]
+    cache = backend.adopt(cache_from(model, kv))
     return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                           generation_config=generation_config(model, new_tokens), streamer=stamps)
 
 
-def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tokens: int, step, compiled=None):
+def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tokens: int, step, compiled=None,
+               batch: int = 1):
     """Warm up (compile), then time one greedy ``generate`` through ``kvpass(policy)`` from a copy of the
     prefilled cache ``kv`` (``warm_kv``: that of the 64-token warm-up prefix).
 
@@ -297,7 +307,7 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # listed in the result
             with step(what):
                 t0 = time.perf_counter()
-                _generate(model, ids[:, :WARMUP_TOKENS], warm_kv, 2, backend)
+                _generate(model, ids[:, :WARMUP_TOKENS], warm_kv, 2, backend, batch=batch)
                 compile_s = time.perf_counter() - t0
             n_graphs = len(backend.graphs)
             with step(f"{name}: decode {new_tokens} tokens after {ids.shape[1]}"):
@@ -305,22 +315,25 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
                 stamps = Stamps(on_token=bar.update)
                 start = time.perf_counter()
                 try:
-                    out = _generate(model, ids, kv, new_tokens, backend, stamps)
+                    out = _generate(model, ids, kv, new_tokens, backend, stamps, batch)
                 finally:
                     bar.close()
     finally:
         model.forward = fwd
     t = stamps.times
     new_ids = out[0, ids.shape[1]:].tolist()
+    rows_agree = bool((out == out[:1]).all())  # copies of one prompt: every row should answer as row 0
     res = Result(
         policy=name,
         answer=answer_text(tokenizer, new_ids),
         tokens=len(new_ids),
         first_s=t[0] - start,
-        decode_ms=1000 * (t[-1] - t[0]) / max(1, len(t) - 1),
+        decode_ms=1000 * statistics.median([b - a for a, b in zip(t, t[1:])]) if len(t) > 1 else float("nan"),
         compile_s=compile_s,
         recompiled=len(backend.graphs) - n_graphs,
         graphs=n_graphs,
+        batch=out.shape[0],
+        rows_agree=rows_agree,
     )
     rows = backend.report_rows()
     sites = [r for r in rows if "reason" not in r]
@@ -444,6 +457,9 @@ def run(args: argparse.Namespace) -> int:
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 16)
     if new_tokens < 2:
         raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
+    batch = args.batch if args.batch is not None else 1
+    if batch < 1:
+        raise ValueError(f"kvpass: --batch needs a positive number, got {batch}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"kvpass: --threads needs a positive number, got {args.threads}")
     if args.policy is not None and args.policies is not None:
@@ -463,8 +479,14 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # the page shows the command as the user ran it: importing torch._dynamo sets the variable to
+    # Inductor's default directory, which the user did not choose
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    cache_dir = None if cache_dir == default_cache_dir() else cache_dir
     try:
-        return _run(policies, context, new_tokens, args.png, args.results_md, args.fresh_prefill)
+        return _run(policies, context, new_tokens, args.png, args.results_md, args.fresh_prefill, cache_dir, batch)
     finally:
         torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
 
@@ -497,7 +519,7 @@ def _busy_hint() -> str:
 
 
 def _run(policies, context: int, new_tokens: int, png: str, results_md: str | None = None,
-         fresh_prefill: bool = False) -> int:
+         fresh_prefill: bool = False, cache_dir: str | None = None, batch: int = 1) -> int:
     from kvpass.models import load_smollm2, smollm2_cache_path
 
     t_start = time.perf_counter()
@@ -528,7 +550,7 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
     results, compiled = [], None
     try:
         for p in policies:
-            r, compiled = run_policy(model, tokenizer, ids, kv, warm_kv, p, new_tokens, step, compiled)
+            r, compiled = run_policy(model, tokenizer, ids, kv, warm_kv, p, new_tokens, step, compiled, batch)
             print(f"{r.policy}:")
             _print_result(r, results[0] if results else None)
             results.append(r)
@@ -548,14 +570,15 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
         write_png(results, png, title)
         print(f"chart: {png}", flush=True)
     if results_md:
-        write_md(results, results_md, png, n, new_tokens, fact_at, f"{total_s:.0f} s ({how})")
+        write_md(results, results_md, png, n, new_tokens, fact_at, f"{total_s:.0f} s ({how})", cache_dir)
         print(f"page: {results_md}", flush=True)
     return 0
 
 
 def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int, fact_at: int,
-             whole: str = "") -> None:
-    """The demo's page: the command as run, the machine, the table, the chart (relative to the page)."""
+             whole: str = "", cache_dir: str | None = None) -> None:
+    """The demo's page: the command as run (``cache_dir``: the ``TORCHINDUCTOR_CACHE_DIR`` it was run
+    with), the machine, the table, the chart (relative to the page)."""
     import datetime
     import shlex
     from pathlib import Path
@@ -567,7 +590,7 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     full = results[0]
     # a run on its own Inductor cache directory (a cold one) says so on its page
-    env = f"TORCHINDUCTOR_CACHE_DIR={shlex.quote(d)} " if (d := os.environ.get("TORCHINDUCTOR_CACHE_DIR")) else ""
+    env = f"TORCHINDUCTOR_CACHE_DIR={shlex.quote(cache_dir)} " if cache_dir else ""
     lines = [
         "# kvpass demo", "",
         "<!-- Generated by `kvpass demo --results-md` (kvpass.demo.write_md); do not edit by hand: rerun the "
@@ -582,6 +605,7 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
         f"transformers {m['transformers']}; finished {now} (UTC). Compile + warm-up of the first policy: "
         f"{full.compile_s:.0f} s." + (f" Whole demo after the imports: {whole}." if whole else ""), "",
         _table(results), "",
+        "Decode ms/token: the median interval between the tokens after the first. "
         "Speed vs Full: Full's decode ms/token over the policy's, same run. Cache held: the keys, values and "
         "metadata the sites keep, every layer (device and host).", "",
     ]

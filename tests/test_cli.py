@@ -321,6 +321,9 @@ def test_demo_table_and_chart(tmp_path):
     text = page.read_text()
     assert _table(results) in text and "![decode ms/token and cache held per policy](../img/chart.png)" in text
     assert "hidden at token 1552 of a 4096-token prompt" in text and "Compile + warm-up of the first policy: 30 s" in text
+    assert "TORCHINDUCTOR_CACHE_DIR" not in text  # a run on the default directory shows none
+    write_md(results, str(page), str(png), 4096, 12, 1552, cache_dir="/tmp/cold dir")
+    assert "TORCHINDUCTOR_CACHE_DIR='/tmp/cold dir' " in page.read_text()
 
 
 def test_demo_generation_config_decodes_past_eos_without_masking_the_prompt():
