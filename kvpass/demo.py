@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt, model and thread count kept in $KVPASS_CACHE/demo (default ~/.cache/kvpass/demo)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="decode N copies of the prompt as one batch, as a server batches sequences (default 1); "
-                        "the table gives ms per step and the cache of all N")
+                        "the answer is row 0's, ms/token is per batch step and the cache held is all N rows'")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
     p.add_argument("--png", default="kvpass-demo.png", metavar="PATH",
@@ -165,8 +165,6 @@ class Result:
     recompiled: int = 0
     graphs: int = 0  # dynamo graphs the backend holds after the warm-up
     left_exact: list = field(default_factory=list)
-    batch: int = 1  # copies of the prompt decoded as one batch
-    rows_agree: bool = True  # every row gave row 0's tokens
 
     @property
     def found(self) -> bool:
@@ -322,7 +320,6 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
         model.forward = fwd
     t = stamps.times
     new_ids = out[0, ids.shape[1]:].tolist()
-    rows_agree = bool((out == out[:1]).all())  # copies of one prompt: every row should answer as row 0
     res = Result(
         policy=name,
         answer=answer_text(tokenizer, new_ids),
@@ -332,8 +329,6 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
         compile_s=compile_s,
         recompiled=len(backend.graphs) - n_graphs,
         graphs=n_graphs,
-        batch=out.shape[0],
-        rows_agree=rows_agree,
     )
     rows = backend.report_rows()
     sites = [r for r in rows if "reason" not in r]
@@ -557,7 +552,8 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
     finally:
         torch._dynamo.reset()  # drop the graphs and the backend dynamo holds for recompiles
 
-    print(f"At {n} tokens of context, {nt} thread{'s' * (nt != 1)}, {new_tokens} tokens decoded per policy:\n")
+    rows = f", batch of {batch} copies" if batch > 1 else ""
+    print(f"At {n} tokens of context{rows}, {nt} thread{'s' * (nt != 1)}, {new_tokens} tokens decoded per policy:\n")
     print(_table(results) + "\n", flush=True)
     total_s = time.perf_counter() - t_start
     hits = counters["inductor"]["fxgraph_cache_hit"] - hits0

@@ -87,8 +87,10 @@ def _stub_view(base: torch.Tensor, length: int) -> torch.Tensor:
 def adopt_cache(adoption: Adoption, runtime, cache) -> None:
     """Move every layer of ``cache`` (a filled ``DynamicCache``) into ``adoption`` and put tagged stubs
     in its place. Replaces what an earlier ``adopt`` left waiting."""
+    from transformers import DynamicCache
+
     layers = getattr(cache, "layers", None)
-    if layers is None or not type(cache).__name__ == "DynamicCache":
+    if layers is None or not isinstance(cache, DynamicCache):
         raise KVPassError(
             f"kvpass: backend.adopt() takes a transformers DynamicCache, got {type(cache).__name__}. A static "
             "or quantised cache is read in place by every step and needs no adoption. Fix: pass the "

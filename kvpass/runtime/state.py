@@ -649,7 +649,7 @@ class Runtime:
         """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
         cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
         with self._lock:
-            if self.adoption and past_k is not None:  # the first step after backend.adopt()
+            if self.adoption.held and past_k is not None:  # the first step after backend.adopt()
                 past_k, past_v = self.adoption.take(past_k, past_v)
             return self.state(site).run_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
 
