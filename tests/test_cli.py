@@ -242,24 +242,35 @@ def test_demo_quick(smollm2, monkeypatch, capsys, tmp_path):
 
 
 def test_demo_continues_a_copied_prefill_as_generate_does_from_the_prompt():
-    """The demo prefills a prompt once and gives each policy a copy of that cache: generating from the
-    copy gives the tokens a plain generate() from the prompt gives, and leaves the prefill unchanged."""
+    """The demo prefills a prompt once and hands each policy's backend that cache (``backend.adopt``):
+    generating from it through the compiled model gives the tokens a plain generate() from the prompt
+    gives, from one decode graph, in every row of a ``--batch`` of copies, and leaves the prefill unchanged."""
     import torch
     from tiny import prompt, tiny_llama
 
+    from kvpass import Full, constant_floats, kvpass
     from kvpass.bench.timing import generation_config
     from kvpass.demo import _generate, prefill
 
     model = tiny_llama()
     ids = prompt(24)
+    backend = kvpass(Full(), strict=True)
+    fwd = model.forward
     with torch.inference_mode():
         expected = model.generate(ids, attention_mask=torch.ones_like(ids),
                                   generation_config=generation_config(model, 5))
         kv = prefill(model, ids)
         before = [(k.clone(), v.clone()) for k, v in kv]
         assert kv[0][0].shape[2] == 23  # every token but the last
-        for _ in range(2):
-            assert torch.equal(_generate(model, ids, kv, 5), expected)
+        model.forward = torch.compile(fwd, backend=backend, dynamic=True)
+        try:
+            with constant_floats():
+                for _ in range(2):
+                    assert torch.equal(_generate(model, ids, kv, 5, backend), expected)
+                assert len(backend.graphs) == 1  # the adopted cache: the steady decode graph only
+                assert torch.equal(_generate(model, ids, kv, 5, backend, batch=2), expected.expand(2, -1))
+        finally:
+            model.forward = fwd
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before))
 
 
