@@ -41,7 +41,8 @@ class KVPassBackend:
     One backend serves one model's sequences at a time; its per-site state lives here and is freed
     with it. ``report()`` shows one row per attention site."""
 
-    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = True, own_cache: bool = True):
+    def __init__(self, policy: Policy, *, strict: bool = False, cache: bool = True, own_cache: bool = True,
+                 skinny_linear: bool = True):
         if isinstance(policy, type) and issubclass(policy, Policy):
             raise TypeError(
                 f"kvpass: kvpass() needs a policy instance, got the class {policy.__name__}; pass "
@@ -52,7 +53,8 @@ class KVPassBackend:
                 f"kvpass: kvpass() needs a policy such as kvpass.Quest(budget=1024), got "
                 f"{type(policy).__name__}: {policy!r}"
             )
-        for option, value in (("strict", strict), ("cache", cache), ("own_cache", own_cache)):
+        for option, value in (("strict", strict), ("cache", cache), ("own_cache", own_cache),
+                              ("skinny_linear", skinny_linear)):
             if (msg := bool_problem("kvpass()", option, value)) is not None:
                 raise TypeError(msg)
         import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops, once)
@@ -62,8 +64,9 @@ class KVPassBackend:
         self.strict = strict
         self.cache = cache
         self.own_cache = own_cache
+        self.skinny_linear = skinny_linear
         # What the rewritten graphs depend on; the runtime's handle is derived from it (see registry).
-        self._key = policy.key() + f"|own_cache={own_cache}"
+        self._key = policy.key() + f"|own_cache={own_cache}" + ("" if skinny_linear else "|skinny_linear=False")
         self.runtime = Runtime(policy, self._key)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
@@ -292,10 +295,11 @@ class KVPassBackend:
         info.graphs += 1
         return info
 
-    def _record_graph(self, kind: str, rows: list[dict], unmatched: list) -> None:
+    def _record_graph(self, kind: str, rows: list[dict], unmatched: list, linears: int = 0) -> None:
         from kvpass.lowering.graph_pass import GraphRecord
 
-        self.graphs.append(GraphRecord(index=len(self.graphs), kind=kind, sites=rows, unmatched=unmatched))
+        self.graphs.append(GraphRecord(index=len(self.graphs), kind=kind, sites=rows, unmatched=unmatched,
+                                       linears=linears))
 
     def _check_unmatched(self, rec) -> None:
         if not rec.unmatched:
@@ -328,6 +332,9 @@ class KVPassBackend:
         """A plain-text table: layer, pattern, policy, tokens and bytes per tier, calls."""
         rows = self.report_rows()
         head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
+        if skinny := [r for r in self.graphs if r.linears]:
+            head += (f"; {sum(r.linears for r in skinny)} linear(s) weight-major in {len(skinny)} batched decode "
+                     "graph(s) (skinny_linear)")
         if self.eager_forwards:
             head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran none of kvpass's "
                      "graphs (dynamo ran them eagerly, or generate() ran the module torch.compile(model) "
@@ -421,6 +428,10 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     - ``own_cache`` (bool, default True): for caches that grow by concatenation (DynamicCache), the
       runtime keeps the keys and values in its own buffers, appended in place, and the model's cache
       holds a zero-stride stub of the right length. False leaves the model's cache as it is.
+    - ``skinny_linear`` (bool, default True): in decode graphs of a batch of 2-16 sequences (or a
+      symbolic batch) on CPU in fp32, compute each linear layer weight-major, ``(W @ x^T)^T``, which
+      MKL runs up to about twice as fast as ``x @ W^T`` there (kvpass/lowering/linear.py). Equal
+      within fp32 rounding; False keeps Inductor's ``x @ W^T``.
 
     Each option must be a real ``bool`` (``bool("no")`` is True, so nothing is coerced); a wrong type
     or an unknown option is a TypeError naming it and what to pass.
@@ -431,7 +442,7 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
 
 #: The options of ``kvpass(policy, **options)``; ``torch.compile(backend="kvpass", options=...)`` also
 #: takes ``policy`` and ``backend``.
-OPTIONS = ("strict", "cache", "own_cache")
+OPTIONS = ("strict", "cache", "own_cache", "skinny_linear")
 
 
 def _check_option_names(options: dict, valid: tuple[str, ...], where: str) -> None:

@@ -65,7 +65,7 @@ def test_bool_options_keep_their_values():
 
 def test_unknown_options_are_named_with_the_closest():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['stirct'\] for kvpass\(\); expected: strict, "
-                                        r"cache, own_cache; did you mean 'strict' for 'stirct'\?"):
+                                        r"cache, own_cache, skinny_linear; did you mean 'strict' for 'stirct'\?"):
         kvpass(Full(), stirct=True)
     with pytest.raises(TypeError) as e:
         kvpass(Full(), zzz=1)

@@ -284,10 +284,12 @@ def run_decode_cost(
     model_name: str | None = None,
     command: str | None = None,
     progress: bool = True,
+    skinny_linear: bool = True,
 ) -> list[dict[str, Any]]:
     """Measure every cell not yet in ``out_dir/decode_cost.jsonl`` (see the module docstring); return the
     rows of this call's cells. ``profile_batches``: the batches at ``batch_context`` whose cells get the
-    profiler breakdown (default: 1 and 8, or the largest batch when 8 is not measured)."""
+    profiler breakdown (default: 1 and 8, or the largest batch when 8 is not measured). ``skinny_linear``
+    is passed to every ``kvpass()`` backend; an ``out_dir`` holds rows of one setting only."""
     from kvpass import kvpass
     from kvpass.bench.perplexity import topics_text
     from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
@@ -314,6 +316,9 @@ def run_decode_cost(
         return (model_name, EAGER if p == EAGER else p.describe(), int(c), int(b), int(t))
 
     existing = {cell_key(r): r for r in load_results(path)}
+    if any(r.get("skinny_linear", True) != skinny_linear for r in existing.values()):
+        raise ValueError(f"kvpass: {path} holds rows measured with skinny_linear={not skinny_linear}; give "
+                         f"skinny_linear={skinny_linear} (--no-skinny-linear) its own --out")
     results = {k: existing[k] for k in (key_of(p, c, b, t) for t in threads for p, c, b in plan) if k in existing}
     pending = [(t, p, c, b) for t in threads for p, c, b in plan if key_of(p, c, b, t) not in existing]
     if progress:
@@ -369,7 +374,7 @@ def run_decode_cost(
                     if gk != "eager":
                         torch._dynamo.reset()
                         first = cells[0][1]
-                        backend = kvpass(Full() if gk == Full().graph_key() else first)
+                        backend = kvpass(Full() if gk == Full().graph_key() else first, skinny_linear=skinny_linear)
                         fwd = torch.compile(fwd_eager, backend=backend, dynamic=True)
                         t0 = time.perf_counter()
                         warm_batches = {min(g[3], 2) for g in cells}  # batch 1 specialises; 2 stands for all
@@ -402,6 +407,7 @@ def run_decode_cost(
                             "prefill_s": prefill_s, "compile_s": compile_s, "kv_heads": kv_heads,
                             "head_dim": head_dim, "element_size": es,
                             "bandwidth": bw, "machine": machine, "command": command, "finished": _now(),
+                            "skinny_linear": skinny_linear,
                         })
                         wb = weight_bytes(model, b)
                         row["weight_bytes"] = wb
@@ -818,7 +824,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok, model_name, policies, out = load_for_bench(args, policies)
     run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
                     steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
-                    model_name=model_name, command=command, progress=not args.no_progress)
+                    model_name=model_name, command=command, progress=not args.no_progress,
+                    skinny_linear=args.skinny_linear)
     rows = [r for r in load_results(out / RESULTS) if r["model"] == model_name]
     print()
     print(markdown_tables(rows))

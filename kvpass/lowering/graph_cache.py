@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvpass.lowering.graph_pass import GraphRecord
 
 #: Bumped when the record's layout changes, so that old records are not misread.
-FORMAT = 1
+FORMAT = 2
 
 
 def _meta(v: Any) -> str:
@@ -65,7 +65,8 @@ def save(key: str, records: list[GraphRecord]) -> None:
     body = {
         "format": FORMAT,
         "records": [
-            {"kind": r.kind, "sites": r.sites, "unmatched": [dataclasses.asdict(u) for u in r.unmatched]}
+            {"kind": r.kind, "sites": r.sites, "unmatched": [dataclasses.asdict(u) for u in r.unmatched],
+             "linears": r.linears}
             for r in records
         ],
     }
@@ -89,17 +90,18 @@ def restore(key: str, backend: KVPassBackend) -> bool:
         body = json.loads(_path(key).read_text())
         if body.get("format") != FORMAT:
             return False
-        records = [(r["kind"], r["sites"], [Unmatched(**u) for u in r["unmatched"]]) for r in body["records"]]
+        records = [(r["kind"], r["sites"], [Unmatched(**u) for u in r["unmatched"]], int(r["linears"]))
+                   for r in body["records"]]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     with backend._lock:
         claims = {}
-        for _, rows, _ in records:
+        for _, rows, _, _ in records:
             for row in rows:
                 claims.setdefault(row["module"], (row["layer"], row["site"]))
         if not backend._claim_sites(claims):
             return False
-    for kind, rows, unmatched in records:
+    for kind, rows, unmatched, linears in records:
         for row in rows:
             info = backend._note_site(row["site"], row["module"], row["layer"],
                                       row["pattern"].removesuffix(" (owned)"))
@@ -107,6 +109,6 @@ def restore(key: str, backend: KVPassBackend) -> bool:
                 info.estimate = row["estimate"]
             if "heads" in row:
                 backend._heads[row["site"]] = row["heads"]
-        backend._record_graph(kind, rows, unmatched)
+        backend._record_graph(kind, rows, unmatched, linears)
         counters["kvpass"]["graphs_from_cache"] += 1
     return True

@@ -22,7 +22,8 @@ _PKG = Path(__file__).resolve().parent.parent
 # The code whose change must invalidate compiled graphs (FX graph cache keys include the uuid).
 _PASS_FILES = tuple(
     str(_PKG / f)
-    for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py", "lowering/estimate.py")
+    for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py", "lowering/estimate.py",
+              "lowering/linear.py")
 )
 
 
@@ -34,6 +35,7 @@ class GraphRecord:
     kind: str  # "prefill", "decode" or "other", from the query lengths
     sites: list[dict]
     unmatched: list[Unmatched]
+    linears: int = 0  # linear layers computed weight-major (kvpass/lowering/linear.py)
 
 
 def _fake_value(target, args):
@@ -87,6 +89,12 @@ class KVPassGraphPass(CustomGraphPass):
         kind = "decode" if lengths == {1} else "prefill" if lengths and 1 not in lengths else "other"
         if kind == "decode" and backend.policy.prefetches and backend.own_cache:
             self._insert_prefetches(graph, sites, rows)
+        linears = 0
+        if kind == "decode" and backend.skinny_linear:
+            from kvpass.lowering.linear import transpose_skinny_linears
+
+            linears = transpose_skinny_linears(graph)
+            counters["kvpass"]["linears_transposed"] += linears
         if not sites and not unmatched and _cache_updates_without_sdpa(graph):
             unmatched.append(
                 Unmatched(
@@ -98,7 +106,7 @@ class KVPassGraphPass(CustomGraphPass):
                     "as matmul + softmax; load it with attn_implementation='sdpa'",
                 )
             )
-        backend._record_graph(kind, rows, unmatched)
+        backend._record_graph(kind, rows, unmatched, linears)
 
     def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: KVPassBackend) -> dict:
         site = backend._site_id(m.module_path, m.layer)
