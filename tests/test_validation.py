@@ -172,7 +172,7 @@ def _compile_and_call(options, fn=None, *args):
         ({"policy": "Qest"}, ValueError, "kvpass: unknown policy 'Qest'"),
         ({"policy": Full(), "stirct": True}, TypeError,
          "kvpass: unknown option(s) ['stirct'] for torch.compile(backend='kvpass', options=...); expected: "
-         "policy, backend, strict, cache, own_cache; did you mean 'strict' for 'stirct'?"),
+         "policy, backend, strict, cache, own_cache, skinny_linear; did you mean 'strict' for 'stirct'?"),
         ({"polcy": Full()}, TypeError, "unknown option(s) ['polcy']"),
         ({"policy": Full(), "own_cache": "no"}, TypeError,
          "kvpass: kvpass() needs own_cache True or False (a bool), got own_cache='no' (str); "

@@ -48,6 +48,17 @@ def _fake_value(target, args):
         return target(*vals)
 
 
+def insert_node(graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
+    """A ``call_function`` node before ``before``, with ``meta_from``'s source metadata and a fake value."""
+    with graph.inserting_before(before):
+        new = graph.call_function(target, args=args)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+        if key in meta_from.meta:
+            new.meta[key] = meta_from.meta[key]
+    new.meta["val"] = _fake_value(target, args)
+    return new
+
+
 def _cache_updates_without_sdpa(graph: fx.Graph) -> int:
     """Cache updates (cat of a graph input along the sequence) in a graph with no SDPA node: the
     signature of attention written as matmul + softmax (attn_implementation="eager")."""
@@ -151,13 +162,7 @@ class KVPassGraphPass(CustomGraphPass):
             backend._heads[site] = label
 
     def _insert(self, graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
-        with graph.inserting_before(before):
-            new = graph.call_function(target, args=args)
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in meta_from.meta:
-                new.meta[key] = meta_from.meta[key]
-        new.meta["val"] = _fake_value(target, args)
-        return new
+        return insert_node(graph, before, target, args, meta_from)
 
     def _insert_prefetches(self, graph: fx.Graph, sites: list[SiteMatch], rows: list[dict]) -> None:
         """TailorKV: before each owned site's fetch, a ``kvpass::prefetch`` fed with the site's query

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from kvpass.lowering.graph_pass import insert_node
 from kvpass.patterns.attention import _val
 
 aten = torch.ops.aten
@@ -47,17 +48,6 @@ def _weight_of(node) -> fx.Node | None:
     return w
 
 
-def _call(graph: fx.Graph, target, args, meta_from: fx.Node) -> fx.Node:
-    from kvpass.lowering.graph_pass import _fake_value
-
-    new = graph.call_function(target, args=args)
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-        if key in meta_from.meta:
-            new.meta[key] = meta_from.meta[key]
-    new.meta["val"] = _fake_value(target, args)
-    return new
-
-
 def transpose_skinny_linears(graph: fx.Graph) -> int:
     """Rewrite each ``mm(x, permute(W, [1, 0]))`` (and ``addmm(b, x, permute(W, [1, 0]))`` with unit
     ``alpha``/``beta``) whose ``x`` is ``(M, K)`` with ``2 <= M <= 16`` rows (or a symbolic ``M``) and
@@ -79,12 +69,11 @@ def transpose_skinny_linears(graph: fx.Graph) -> int:
             continue
         if not _rows_in_range(xv.shape[0]) or _val(w).shape[0] <= MAX_ROWS:
             continue
-        with graph.inserting_before(node):
-            xt = _call(graph, aten.permute.default, (x, [1, 0]), node)
-            y = _call(graph, aten.mm.default, (w, xt), node)
-            out = _call(graph, aten.permute.default, (y, [1, 0]), node)
-            if bias is not None:
-                out = _call(graph, aten.add.Tensor, (out, bias), node)
+        xt = insert_node(graph, node, aten.permute.default, (x, [1, 0]), node)
+        y = insert_node(graph, node, aten.mm.default, (w, xt), node)
+        out = insert_node(graph, node, aten.permute.default, (y, [1, 0]), node)
+        if bias is not None:
+            out = insert_node(graph, node, aten.add.Tensor, (out, bias), node)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         if not wt.users:
