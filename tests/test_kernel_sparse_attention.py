@@ -328,11 +328,15 @@ def test_fp32_cpu_path_counts_duplicates_and_masks_everything(dense):
     assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
 
 
-def test_workspace_reuse_gives_the_same_output_and_never_aliases_it():
-    """The CPU path's gathered rows go into reused buffers: outputs equal those of fresh allocations
+def test_workspace_reuse_gives_the_same_output_and_never_aliases_it(monkeypatch):
+    """The torch CPU path's gathered rows go into reused buffers: outputs equal those of fresh allocations
     through a shrinking and a growing selection, on every path (tokens, pages, ranges), and no output
-    shares the workspace's memory."""
+    shares the workspace's memory. (The fused C kernel gathers nothing; this is the path where it is
+    off or cannot serve the operands.)"""
+    from kvpass.kernels import cpu_decode
     from kvpass.kernels.sparse_attention import segments_decode_attention
+
+    monkeypatch.setattr(cpu_decode, "supports", lambda *a: False)
     from kvpass.runtime.state import Workspace
 
     ws = Workspace()

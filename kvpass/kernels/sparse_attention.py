@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import cpu_decode
 from ._triton import require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
@@ -354,6 +355,10 @@ def _decode_sdpa(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch
 
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
+    if cpu_decode.supports(q, k, v):
+        # the fused C kernel reads the listed rows in place: no gather, no mask, no dense switch
+        return cpu_decode.cpu_decode_attention(q, k, v, None if idx is None else idx.long(), scale,
+                                               None if bias is None else bias.float())
     qg = q.reshape(B, H_kv, H_q // H_kv, D)
     if idx is None:
         mask = None if bias is None else bias.float()[:, :, None, :]
@@ -529,6 +534,13 @@ def segments_decode_attention(
     and from ``idx``."""
     B, H_q, D = q.shape
     H_kv = k.shape[1]
+    if cpu_decode.supports(q, k, v):
+        # the C kernel reads ranges and listed rows in place: one call over one index list
+        dev = q.device
+        parts = [torch.arange(lo, hi, device=dev).expand(B, H_kv, -1) for lo, hi in segments]
+        if idx is not None and idx.shape[2]:
+            parts.append(idx.long())
+        return cpu_decode.cpu_decode_attention(q, k, v, torch.cat(parts, dim=2), scale)
     qg = q.reshape(B, H_kv, H_q // H_kv, D)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     parts = [flash(qg, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, scale=scale) for lo, hi in segments]
@@ -586,6 +598,10 @@ def paged_decode_attention_ref(
         counts.scatter_add_(2, pages.long(), _ones(q, pages.shape))
         counts = counts.repeat_interleave(page_size, dim=2)[:, :, :length]
         return _masked_dense(q, k[:, :, :length], v[:, :, :length], counts, None, scale)
+    if fp32 and cpu_decode.supports(q, k, v):
+        # the C kernel reads the pages' rows in place; positions >= length are skipped
+        pos = (pages.long()[..., None] * page_size + torch.arange(page_size, device=q.device)).flatten(-2)
+        return cpu_decode.cpu_decode_attention(q, k[:, :, :length], v[:, :, :length], pos, scale)
     per_head = C // page_size
     rows = (torch.arange(B * H_kv, device=q.device).view(B, H_kv, 1) * per_head + pages).reshape(-1)
     ks = _select(k.view(-1, page_size * D), rows, workspace, "k").view(B, H_kv, n * page_size, D)

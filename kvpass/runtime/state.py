@@ -145,6 +145,11 @@ def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
     and faster on CPU (docs/design.md, "Decode attention on CPU")."""
     b, h_q, _, d = q.shape
     h_kv = k.shape[1]
+    if attn_mask is None:
+        from kvpass.kernels import cpu_decode
+
+        if cpu_decode.supports(q[:, :, 0], k, v):
+            return cpu_decode.cpu_decode_attention(q[:, :, 0], k, v, None, scale).view(b, h_q, 1, v.shape[3])
     out = F.scaled_dot_product_attention(q.reshape(b, h_kv, h_q // h_kv, d), k, v, attn_mask=attn_mask, scale=scale)
     return out.view(b, h_q, 1, v.shape[3])
 

@@ -1,0 +1,145 @@
+"""The fused CPU decode attention (a C kernel, kvpass/kernels/cpu_decode.py) against its float64 torch
+reference, and the fp32 CPU paths that now run it against independent formulas."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpass.kernels import cpu_decode
+from kvpass.kernels.cpu_decode import cpu_decode_attention, cpu_decode_attention_ref
+from kvpass.kernels.sparse_attention import paged_decode_attention_ref, segments_decode_attention
+from strategies import SEEDS, TOL, make_strided
+
+
+def test_kernel_is_built_here():
+    # the machines this project runs on have the C compiler Inductor needs; a kernel that silently
+    # failed to build would leave every test below on the torch path
+    assert cpu_decode.available()
+
+
+@given(
+    b=st.integers(1, 3),
+    h_kv=st.integers(1, 3),
+    g=st.sampled_from([1, 3, 4, 16]),
+    d=st.sampled_from([8, 16, 24, 64]),  # 16 and 64: the vector path; 8 and 24: the scalar one
+    s=st.integers(1, 70),
+    n=st.integers(0, 90),
+    listed=st.booleans(),
+    bias=st.sampled_from([None, "log_degree", "padding"]),
+    layout=st.sampled_from(["contiguous", "s_slice", "bshd"]),
+    big=st.booleans(),  # scores spread over hundreds: exp underflows to 0 for most positions
+    threads=st.sampled_from([1, 2, 5]),
+    seed=SEEDS,
+)
+def test_kernel_matches_reference(b, h_kv, g, d, s, n, listed, bias, layout, big, threads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h_kv * g, d, generator=gen) * (30.0 if big else 1.0)
+    k = make_strided(torch.randn(b, h_kv, s, d, generator=gen), layout)
+    v = make_strided(torch.randn(b, h_kv, s, d, generator=gen), layout)
+    # positions out of range (-1 padding, >= s) are skipped; duplicates count twice
+    idx = torch.randint(-2, s + 2, (b, h_kv, n), generator=gen) if listed else None
+    bs = None
+    if bias == "log_degree":  # CentroidKV: log of a merged slot's degree, -inf for an empty slot
+        bs = torch.randint(0, 5, (b, h_kv, s), generator=gen).float().log()
+    elif bias == "padding":  # a left-padded row: -inf on its first positions, shared by the heads
+        first = torch.randint(0, s + 1, (b, 1, 1), generator=gen)
+        bs = torch.where(torch.arange(s) < first, float("-inf"), 0.0).expand(b, h_kv, s)
+    # threads > 1 splits the pairs only past MIN_ROWS_PER_THREAD rows: large s and n reach it
+    out = cpu_decode_attention(q, k, v, idx, 0.3, bs, threads=threads)
+    ref = cpu_decode_attention_ref(q, k, v, idx, 0.3, bs)
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_rows_with_nothing_valid_are_zero():
+    q, k, v = torch.randn(2, 6, 64), torch.randn(2, 3, 10, 64), torch.randn(2, 3, 10, 64)
+    idx = torch.randint(0, 10, (2, 3, 5))
+    idx[1, 2] = -1  # one (row, head) lists only padding
+    out = cpu_decode_attention(q, k, v, idx, 0.125)
+    assert torch.equal(out[1, 4:], torch.zeros(2, 64))
+    torch.testing.assert_close(out, cpu_decode_attention_ref(q, k, v, idx, 0.125))
+    assert torch.equal(cpu_decode_attention(q, k, v, idx[:, :, :0], 0.125), torch.zeros(2, 6, 64))
+
+
+def test_dense_equals_sdpa_and_writes_out():
+    q, k, v = torch.randn(2, 9, 64), torch.randn(2, 3, 300, 64), torch.randn(2, 3, 300, 64)
+    out = torch.full((2, 9, 64), float("nan"))
+    got = cpu_decode_attention(q, k, v, None, None, out=out)
+    assert got is out
+    ref = F.scaled_dot_product_attention(q.view(2, 3, 3, 64), k, v).reshape(2, 9, 64)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_split_the_pairs_with_the_same_result(threads):
+    # enough rows that the pairs are split (MIN_ROWS_PER_THREAD): each thread writes its own rows only
+    gen = torch.Generator().manual_seed(threads)
+    q, k, v = torch.randn(3, 9, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen)
+    idx = torch.randint(-1, 9000, (3, 3, 5000), generator=gen)
+    for i in (None, idx):
+        want = cpu_decode_attention(q, k, v, i, 0.1, threads=1)
+        assert torch.equal(cpu_decode_attention(q, k, v, i, 0.1, threads=threads), want)
+        torch.testing.assert_close(want, cpu_decode_attention_ref(q, k, v, i, 0.1), atol=2e-5, rtol=1e-5)
+
+
+def test_unsupported_operands_are_refused():
+    q, k, v = torch.randn(1, 2, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
+    assert not cpu_decode.supports(q.half(), k.half(), v.half())
+    assert not cpu_decode.supports(q, make_strided(k, "d_strided"), v)
+    assert not cpu_decode.supports(torch.randn(1, 17, 16), k, v)  # a query group over 16
+    with pytest.raises(ValueError, match="kvpass: cpu_decode_attention needs fp32"):
+        cpu_decode_attention(q.half(), k.half(), v.half())
+    with pytest.raises(ValueError, match="needs idx int64"):
+        cpu_decode_attention(q, k, v, torch.zeros(1, 1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="needs bias fp32"):
+        cpu_decode_attention(q, k, v, None, None, torch.zeros(1, 1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs out fp32"):
+        cpu_decode_attention(q, k, v, out=torch.empty(1, 2, 8))
+
+
+@given(ranges=st.sampled_from([[(0, 3)], [(0, 2), (20, 31)], [(5, 31)]]), n=st.integers(0, 8), seed=SEEDS)
+def test_segments_path_equals_listing_the_positions(ranges, n, seed):
+    # StreamingLLM's and ClusterKV's ranges and recalled rows now go through the kernel as one list
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(2, 6, 64, generator=gen), torch.randn(2, 3, 31, 64, generator=gen), torch.randn(2, 3, 31, 64, generator=gen)
+    free = torch.tensor([p for p in range(31) if not any(lo <= p < hi for lo, hi in ranges)])
+    idx = free[torch.stack([torch.randperm(len(free), generator=gen)[:n] for _ in range(6)])].view(2, 3, -1)
+    out = segments_decode_attention(q, k, v, ranges, 0.125, idx)
+    listed = torch.cat([torch.arange(lo, hi).expand(2, 3, -1) for lo, hi in ranges] + [idx], dim=2)
+    torch.testing.assert_close(out, cpu_decode_attention_ref(q, k, v, listed, 0.125), atol=2e-5, rtol=1e-5)
+
+
+def test_paged_path_skips_the_newest_pages_empty_tail():
+    gen = torch.Generator().manual_seed(0)
+    B, H, C, D, ps, length = 2, 3, 64, 64, 16, 37
+    q, k, v = torch.randn(B, 3 * H, D, generator=gen), torch.randn(B, H, C, D, generator=gen), torch.randn(B, H, C, D, generator=gen)
+    pages = torch.tensor([0, 2]).expand(B, H, 2).contiguous()  # page 2 holds positions 32..36 only
+    out = paged_decode_attention_ref(q, k, v, pages, ps, length, 0.125, dense=False, newest_last=True)
+    pos = torch.cat([torch.arange(16), torch.arange(32, 37)]).expand(B, H, -1)
+    torch.testing.assert_close(out, cpu_decode_attention_ref(q, k, v, pos, 0.125), atol=2e-5, rtol=1e-5)
+
+
+def test_native_off_keeps_the_torch_path():
+    # KVPASS_NATIVE=0 (or no compiler): the CPU paths run torch ops and give the same attention
+    code = (
+        "import torch; from kvpass.kernels import cpu_decode; "
+        "from kvpass.kernels.sparse_attention import sparse_decode_attention_ref as f; "
+        "assert not cpu_decode.available(); torch.manual_seed(0); "
+        "q, k, v = torch.randn(1, 6, 64), torch.randn(1, 3, 50, 64), torch.randn(1, 3, 50, 64); "
+        "i = torch.randint(0, 50, (1, 3, 8)); torch.save((q, k, v, i, f(q, k, v, i, scale=0.1)), 'o.pt')"
+    )
+    env = dict(os.environ, KVPASS_NATIVE="0")
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    cwd = os.path.join(tmp, f"kvpass-native-off-{os.getpid()}")
+    os.makedirs(cwd, exist_ok=True)
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, check=True, timeout=300)
+    q, k, v, i, off = torch.load(os.path.join(cwd, "o.pt"))
+    torch.testing.assert_close(off, cpu_decode_attention(q, k, v, i, 0.1), atol=2e-5, rtol=1e-5)
