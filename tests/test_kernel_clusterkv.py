@@ -20,6 +20,8 @@ from kvpass.kernels.clusterkv import (
     kmeans_assign,
     kmeans_assign_ref,
     select_clusters,
+    select_clusters_cpu,
+    select_clusters_cpu_available,
     select_clusters_ref,
 )
 from strategies import DTYPES, HEAD_DIMS, LAYOUTS, SEEDS, make_strided
@@ -564,6 +566,16 @@ def test_select_kernel_matches_ref(p, block_j, block_c):
     assert torch.equal(idx, ref)
 
 
+@given(p=select_problems())
+def test_select_cpu_kernel_matches_ref(p):
+    # the C recall (the CPU path where it is built) gives exactly the reference's positions
+    assert select_clusters_cpu_available()
+    scores, sizes, offsets, order = make_select_inputs(p)
+    idx = select_clusters_cpu(scores, sizes, offsets, order, p["budget"])
+    assert idx.shape == (p["B"], p["H"], p["budget"]) and idx.dtype == torch.int64
+    assert torch.equal(idx, select_clusters_ref(scores, sizes, offsets, order, p["budget"]))
+
+
 @given(p=select_problems(max_n=200))
 def test_select_properties(p):
     scores, sizes, offsets, order = make_select_inputs(p)
@@ -604,7 +616,7 @@ def test_select_properties(p):
                 assert torch.equal(got.sort().values, members.sort().values)
 
 
-@pytest.mark.parametrize("fn", [select_clusters, select_clusters_ref])
+@pytest.mark.parametrize("fn", [select_clusters, select_clusters_ref, select_clusters_cpu])
 def test_select_hand_example(fn):
     # clusters: 0 -> [5, 9], 1 -> [1], 2 -> [] (empty), 3 -> [0, 2, 7], 4 -> [3] (-inf)
     order = torch.tensor([[[5, 9, 1, 0, 2, 7, 3]]])
@@ -623,7 +635,7 @@ def test_select_errors(monkeypatch):
     sizes = torch.ones((1, 2, 3), dtype=torch.int64)
     offsets = torch.arange(4).expand(1, 2, 4)
     order = torch.arange(3).expand(1, 2, 3)
-    for fn in (select_clusters, select_clusters_ref):
+    for fn in (select_clusters, select_clusters_ref, select_clusters_cpu):
         with pytest.raises(ValueError, match=r"kvpass: .* needs budget >= 0, got budget=-1"):
             fn(scores, sizes, offsets, order, -1)
         with pytest.raises(ValueError, match=r"kvpass: .* needs offsets of shape \(B=1, H=2, C\+1=4\)"):

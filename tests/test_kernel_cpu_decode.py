@@ -143,3 +143,16 @@ def test_native_off_keeps_the_torch_path():
     subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, check=True, timeout=300)
     q, k, v, i, off = torch.load(os.path.join(cwd, "o.pt"))
     torch.testing.assert_close(off, cpu_decode_attention(q, k, v, i, 0.1), atol=2e-5, rtol=1e-5)
+
+
+def test_a_cache_stub_is_refused_not_read():
+    # the kernel reads memory past __torch_function__: a stub must take the torch path, which raises
+    from kvpass.kernels.sparse_attention import sparse_decode_attention_ref
+    from kvpass.runtime.state import KVPassError
+    from kvpass.runtime.store import as_cache_stub, make_stub
+
+    q, k_new = torch.randn(1, 6, 64), torch.randn(1, 3, 1, 64)
+    stub = as_cache_stub(make_stub(k_new, 40), None)
+    assert not cpu_decode.supports(q, stub, stub)
+    with pytest.raises(KVPassError, match="outside the compiled graph"):
+        sparse_decode_attention_ref(q, stub, stub, torch.zeros(1, 3, 4, dtype=torch.long))

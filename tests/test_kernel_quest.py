@@ -231,3 +231,58 @@ def test_launcher_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="kvpass: .*use quest_page_scores_ref on CPU"):
         quest_page_scores(q, kmin, kmin)
 
+
+
+# -- the CPU decode step's page choice in C ------------------------------------------------------------
+def _top_inputs(b, h_kv, g, d, cap, integral, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h_kv * g, d, generator=gen)
+    keys = torch.randn(b, h_kv, cap, 2, d, generator=gen)
+    if integral:  # small integers: every bound is exact in fp32, so ties are real and broken by page
+        q, keys = q.mul(2).round(), keys.mul(2).round()
+    meta = torch.cat([keys.amax(3), keys.amin(3)], dim=-1)  # rows [max | min]
+    return q, meta
+
+
+@given(
+    b=st.integers(1, 2), h_kv=st.integers(1, 3), g=st.sampled_from([1, 3]), d=st.sampled_from([4, 64]),
+    scored=st.integers(0, 40), n=st.integers(0, 45), gqa=st.sampled_from(["sum", "max"]),
+    integral=st.booleans(), seed=SEEDS,
+)
+def test_top_pages_cpu_matches_ref(b, h_kv, g, d, scored, n, gqa, integral, seed):
+    from kvpass.kernels.quest import quest_top_pages_cpu, quest_top_pages_ref
+
+    q, meta = _top_inputs(b, h_kv, g, d, scored + 3, integral, seed)
+    got = quest_top_pages_cpu(q, meta, scored, n, gqa)
+    want = quest_top_pages_ref(q, meta, scored, n, gqa)
+    assert got.shape == want.shape == (b, h_kv, min(n, scored) + 1)
+    assert (got[..., -1] == scored).all()  # the newest page, always last
+    if integral:
+        assert torch.equal(got, want)  # exact bounds: the same pages, ties to the lower page
+        return
+    # fp32 bounds against float64 ones: a near-tie may rank either way, never a clearly worse page
+    qg = q.reshape(b, h_kv, g, d).double()
+    qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)
+    per_q = qq @ meta[:, :, :scored].double().transpose(-1, -2)
+    bound = per_q.sum(2) if gqa == "sum" else per_q.amax(2)
+    for bi in range(b):
+        for hi in range(h_kv):
+            chosen = set(got[bi, hi, :-1].tolist())
+            assert len(chosen) == min(n, scored) and got[bi, hi, :-1].tolist() == sorted(chosen)
+            rest = [p for p in range(scored) if p not in chosen]
+            if chosen and rest:
+                worst = min(float(bound[bi, hi, p]) for p in chosen)
+                best_left = max(float(bound[bi, hi, p]) for p in rest)
+                assert worst >= best_left - 1e-4 * (1 + abs(best_left))
+
+
+def test_top_pages_cpu_errors():
+    from kvpass.kernels.quest import quest_top_pages_cpu
+
+    q, meta = _top_inputs(1, 1, 3, 8, 5, False, 0)
+    with pytest.raises(ValueError, match="kvpass: quest_top_pages_cpu needs"):
+        quest_top_pages_cpu(q, meta, 5, 2)  # P_cap must exceed the scored pages (the newest is one more)
+    with pytest.raises(ValueError, match="gqa 'sum' or 'max'"):
+        quest_top_pages_cpu(q, meta, 3, 2, gqa="mean")
+    with pytest.raises(ValueError, match="kvpass: quest_top_pages_cpu needs"):
+        quest_top_pages_cpu(q.half(), meta, 3, 2)

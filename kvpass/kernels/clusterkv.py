@@ -29,11 +29,14 @@ are the CPU implementation used in production):
 - :func:`centroid_update` / :func:`centroid_update_ref`: per-cluster sums of (unit) keys and counts;
   the kernel spreads ``tl.atomic_add`` over the sequence, as in the paper's implementation.
 - :func:`cosine_kmeans`: the spherical k-means driver, returning a :class:`KMeans`.
-- :func:`select_clusters` / :func:`select_clusters_ref`: the budgeted cluster recall.
+- :func:`select_clusters` / :func:`select_clusters_ref`: the budgeted cluster recall;
+  :func:`select_clusters_cpu`, the same recall in C (one call instead of a dozen small torch ops per
+  site and step; :mod:`kvpass.kernels.native`), the CPU path where it is built.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +51,7 @@ __all__ = [
     "kmeans_assign",
     "kmeans_assign_ref",
     "select_clusters",
+    "select_clusters_cpu",
     "select_clusters_ref",
 ]
 
@@ -654,3 +658,104 @@ def select_clusters_ref(
     ok = hit & (src >= 0) & (src < N)
     tok = torch.gather(order.long(), 2, torch.where(ok, src, 0))
     return torch.where(ok, tok, -1)
+
+
+_SELECT_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+
+typedef struct { float s; int64_t c; } rank_t;
+
+/* descending score, ties to the lower cluster index (torch.sort(descending=True, stable=True)) */
+static int by_rank(const void *a, const void *b) {
+    const rank_t *x = (const rank_t *)a, *y = (const rank_t *)b;
+    if (x->s != y->s) return x->s > y->s ? -1 : 1;
+    return (x->c > y->c) - (x->c < y->c);
+}
+
+/* select_clusters_ref in one pass per (b, h): the eligible clusters (score > -inf, size > 0) ranked,
+   their members emitted from order[offsets[c] ...] until budget slots are filled, -1 after. */
+int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int64_t ss_c,
+                           const int64_t *sizes, int64_t zs_b, int64_t zs_h, int64_t zs_c,
+                           const int64_t *offsets, int64_t fs_b, int64_t fs_h, int64_t fs_c,
+                           const int64_t *order, int64_t rs_b, int64_t rs_h, int64_t rs_n,
+                           int64_t *out, int64_t xs_b, int64_t xs_h, int64_t xs_j,
+                           int64_t B, int64_t H, int64_t C, int64_t N, int64_t budget) {
+    rank_t *r = (rank_t *)malloc(sizeof(rank_t) * (size_t)(C > 0 ? C : 1));
+    if (!r) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *sc = scores + b * ss_b + h * ss_h;
+            const int64_t *sz = sizes + b * zs_b + h * zs_h, *off = offsets + b * fs_b + h * fs_h;
+            const int64_t *ord = order + b * rs_b + h * rs_h;
+            int64_t *o = out + b * xs_b + h * xs_h, n = 0, j = 0;
+            for (int64_t c = 0; c < C; c++) {
+                float s = sc[c * ss_c];
+                if (s > -INFINITY && sz[c * zs_c] > 0) { r[n].s = s; r[n].c = c; n++; }
+            }
+            qsort(r, (size_t)n, sizeof(rank_t), by_rank);
+            for (int64_t i = 0; i < n && j < budget; i++) {
+                int64_t c = r[i].c, z = sz[c * zs_c], first = off[c * fs_c];
+                for (int64_t t = 0; t < z && j < budget; t++, j++) {
+                    int64_t src = first + t;
+                    o[j * xs_j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
+                }
+            }
+            for (; j < budget; j++) o[j * xs_j] = -1;
+        }
+    free(r);
+    return 0;
+}
+"""
+_select_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
+
+
+def _select_lib():
+    if not _select_fn:
+        from kvpass.kernels import native
+
+        lib = native.library("select_clusters", _SELECT_SOURCE)
+        fn = None
+        if lib is not None:
+            fn = lib.kvpass_select_clusters
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, i64, i64, i64] * 5 + [i64] * 5
+            fn.restype = ctypes.c_int
+        _select_fn.append(fn)
+    return _select_fn[0]
+
+
+def select_clusters_cpu_available() -> bool:
+    """Whether :func:`select_clusters_cpu` is built (see :mod:`kvpass.kernels.native`)."""
+    return _select_lib() is not None
+
+
+def select_clusters_cpu(
+    scores: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    budget: int,
+) -> torch.Tensor:
+    """:func:`select_clusters_ref` in C, on CPU tensors: the same ``(B, H, budget)`` int64 positions
+    (exactly: the ranking is a stable sort of the same fp32 scores), from one call instead of a dozen
+    torch ops. Shapes and conventions as in :func:`select_clusters`."""
+    who = "select_clusters_cpu"
+    _check_select_inputs(scores, sizes, offsets, order, budget, who)
+    fn = _select_lib()
+    if fn is None or scores.device.type != "cpu":
+        raise ValueError(f"kvpass: {who} needs CPU tensors and the C kernel built "
+                         "(kvpass.kernels.clusterkv.select_clusters_cpu_available())")
+    B, H, C = scores.shape
+    N, budget = order.shape[2], int(budget)
+    out = torch.empty((B, H, budget), dtype=torch.int64)
+    if out.numel() == 0:
+        return out
+    scores, sizes, offsets, order = scores.float(), sizes.long(), offsets.long(), order.long()
+    rc = fn(scores.data_ptr(), *scores.stride(), sizes.data_ptr(), *sizes.stride(),
+            offsets.data_ptr(), *offsets.stride(), order.data_ptr(), *order.stride(),
+            out.data_ptr(), *out.stride(), B, H, C, N, budget)
+    if rc != 0:
+        raise MemoryError(f"kvpass: {who} could not allocate its scratch")
+    return out

@@ -13,10 +13,9 @@ at 7-11 GB/s on this project's machines (compute-bound: the products have 1-3 ro
 memory reads 25-29 GB/s; a gather first copies every selected row. docs/design.md, "Fused decode
 attention on CPU", has the figures.
 
-The library is compiled with the C compiler Inductor uses (``cc`` / ``$CC``, ``-O3 -march=native``)
-into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), keyed by the source, the flags
-and the CPU; :func:`available` is False where no compiler works, and the callers then keep the torch
-path (:func:`cpu_decode_attention_ref`). ``KVPASS_NATIVE=0`` turns the kernel off.
+The library is built once per machine by :mod:`kvpass.kernels.native` (the C compiler Inductor uses,
+``-O3 -march=native``); :func:`available` is False where no compiler works or ``KVPASS_NATIVE=0``, and
+the callers then keep their torch code.
 
 Files in this module: the C source, :func:`cpu_decode_attention` (checks, launch) and
 :func:`cpu_decode_attention_ref` (plain torch, the reference the tests compare with).
@@ -25,14 +24,7 @@ Files in this module: the C source, :func:`cpu_decode_attention` (checks, launch
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
@@ -272,65 +264,25 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
 }
 """
 
-# no -ffast-math: IEEE arithmetic (the exp is the kernel's own, vectorised)
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 _MAX_GROUP = 16
-_lock = threading.Lock()
-_lib: list = []  # [ctypes function] once loaded, [None] when unavailable (per process, see _load)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVPASS_CACHE") or Path.home() / ".cache" / "kvpass"
-    return Path(root) / "native"
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {flags}"
-
-
-def _build() -> Path | None:
-    cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"decode_attention-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src = Path(tmp) / "decode_attention.c"
-        src.write_text(_SOURCE)
-        so = Path(tmp) / path.name
-        try:
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                           timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        os.replace(so, path)  # atomic: another process building the same key gets one complete file
-    return path
+_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
 
 
 def _load():
-    """The kernel's ctypes function, built on first use; None where it cannot be built or is off."""
-    if _lib:
-        return _lib[0]
-    with _lock:
-        if _lib:
-            return _lib[0]
+    """The kernel's ctypes function (:func:`kvpass.kernels.native.library`), or None."""
+    if not _fn:
+        from kvpass.kernels import native
+
+        lib = native.library("decode_attention", _SOURCE)
         fn = None
-        if os.environ.get("KVPASS_NATIVE", "1") != "0":
-            path = _build()
-            if path is not None:
-                fn = ctypes.CDLL(str(path)).kvpass_decode_attention
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                               ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                               i64]
-                fn.restype = ctypes.c_int
-        _lib.append(fn)
-        return fn
+        if lib is not None:
+            fn = lib.kvpass_decode_attention
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                           ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+            fn.restype = ctypes.c_int
+        _fn.append(fn)
+    return _fn[0]
 
 
 def available() -> bool:
@@ -339,10 +291,13 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`cpu_decode_attention` serves these operands (fp32 CPU tensors whose last dim is
-    contiguous, a query group of at most 16, v's head dim equal to k's)."""
+    """Whether :func:`cpu_decode_attention` serves these operands (plain fp32 CPU tensors whose last dim
+    is contiguous, a query group of at most 16, v's head dim equal to k's). A tensor subclass is never
+    served: the kernel reads memory directly, past any ``__torch_function__`` (a kvpass cache stub must
+    reach torch code, which refuses it loudly)."""
     return (
-        q.device.type == k.device.type == v.device.type == "cpu"
+        type(q) is type(k) is type(v) is torch.Tensor
+        and q.device.type == k.device.type == v.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.float32
         and q.dim() == 3 and k.dim() == 4 and v.dim() == 4
         and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] <= _MAX_GROUP

@@ -15,10 +15,13 @@ either form); pages at or beyond ``num_pages`` are never read and score ``-inf``
 Contents: :func:`quest_page_minmax_ref` and :func:`quest_update_minmax_` (plain torch: metadata is
 built once at prefill and patched per decode step, neither is worth a kernel), the Triton scorer
 ``_quest_page_scores_kernel`` / :func:`quest_page_scores` and its reference
-:func:`quest_page_scores_ref` (the CPU decode path).
+:func:`quest_page_scores_ref`, and :func:`quest_top_pages_cpu`, the CPU decode step's scoring and
+top-page choice in C (:mod:`kvpass.kernels.native`; one call instead of a dozen torch ops per site).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -29,6 +32,8 @@ __all__ = [
     "quest_update_minmax_",
     "quest_page_scores",
     "quest_page_scores_ref",
+    "quest_top_pages_cpu",
+    "quest_top_pages_ref",
 ]
 
 
@@ -295,3 +300,153 @@ def quest_page_scores_ref(
     s.add_(torch.matmul(qf.clamp(max=0), lo.transpose(-1, -2)))
     out[:, :, :num_pages] = s.reshape(B, H_q, num_pages)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The CPU decode step's page choice, in C
+# --------------------------------------------------------------------------------------------------
+
+_TOP_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct { float s; int64_t p; } cand_t;
+
+/* a before b in the ranking: higher score, then the lower page */
+static inline int better(cand_t a, cand_t b) { return a.s > b.s || (a.s == b.s && a.p < b.p); }
+
+/* heap of the n best so far, the worst at the root */
+static void sift(cand_t *h, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, w = i;
+        if (l < n && better(h[w], h[l])) w = l;
+        if (r < n && better(h[w], h[r])) w = r;
+        if (w == i) return;
+        cand_t t = h[i]; h[i] = h[w]; h[w] = t;
+        i = w;
+    }
+}
+
+/* Per (b, kv head): the Quest bound of pages [0, P) for the query group, the top n of them (ties to
+   the lower page), written in ascending page order, then `newest`. meta rows are [max | min] (2D fp32);
+   gqa_max: the group's bound is the max of its queries' bounds, else their sum. */
+int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
+                           const float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
+                           int64_t *out, int64_t os_b, int64_t os_h, int64_t os_n,
+                           int64_t B, int64_t H, int64_t G, int64_t D, int64_t P, int64_t n, int64_t newest,
+                           int64_t gqa_max) {
+    if (n > P) n = P;
+    cand_t *heap = (cand_t *)malloc(sizeof(cand_t) * (size_t)(n > 0 ? n : 1));
+    float *qq = (float *)malloc(sizeof(float) * (size_t)(2 * D * G));
+    if (!heap || !qq) { free(heap); free(qq); return -1; }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *qg = q + b * qs_b + h * G * qs_h;
+            const float *mp = meta + b * ms_b + h * ms_h;
+            int64_t rows = gqa_max ? G : 1;
+            for (int64_t d = 0; d < 2 * D * rows; d++) qq[d] = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                float *r = qq + (gqa_max ? g : 0) * 2 * D;
+                for (int64_t d = 0; d < D; d++) {
+                    float x = qg[g * qs_h + d];
+                    r[d] += x > 0.f ? x : 0.f;
+                    r[D + d] += x < 0.f ? x : 0.f;
+                }
+            }
+            int64_t filled = 0;
+            for (int64_t p = 0; p < P; p++) {
+                const float *m = mp + p * ms_p;
+                float best = 0.f;
+                for (int64_t g = 0; g < rows; g++) {
+                    const float *r = qq + g * 2 * D;
+                    float acc = 0.f;
+                    for (int64_t d = 0; d < 2 * D; d++) acc += r[d] * m[d];
+                    if (g == 0 || acc > best) best = acc;
+                }
+                cand_t c = {best, p};
+                if (filled < n) {
+                    heap[filled++] = c;
+                    if (filled == n) for (int64_t i = n / 2 - 1; i >= 0; i--) sift(heap, n, i);
+                } else if (n > 0 && better(c, heap[0])) {
+                    heap[0] = c;
+                    sift(heap, n, 0);
+                }
+            }
+            /* ascending pages: a fixed order whatever the scores, and the rows read in order */
+            int64_t *o = out + b * os_b + h * os_h;
+            char *mark = (char *)calloc((size_t)(P > 0 ? P : 1), 1);
+            if (!mark) { free(heap); free(qq); return -1; }
+            for (int64_t i = 0; i < filled; i++) mark[heap[i].p] = 1;
+            int64_t j = 0;
+            for (int64_t p = 0; p < P; p++) if (mark[p]) o[(j++) * os_n] = p;
+            free(mark);
+            o[j * os_n] = newest;
+        }
+    free(heap);
+    free(qq);
+    return 0;
+}
+"""
+_top_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
+
+
+def _top_lib():
+    if not _top_fn:
+        from kvpass.kernels import native
+
+        lib = native.library("quest_top_pages", _TOP_SOURCE)
+        fn = None
+        if lib is not None:
+            fn = lib.kvpass_quest_top_pages
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + [i64] * 8
+            fn.restype = ctypes.c_int
+        _top_fn.append(fn)
+    return _top_fn[0]
+
+
+def quest_top_pages_cpu_available() -> bool:
+    """Whether :func:`quest_top_pages_cpu` is built (see :mod:`kvpass.kernels.native`)."""
+    return _top_lib() is not None
+
+
+def quest_top_pages_cpu(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum") -> torch.Tensor:
+    """The pages a Quest decode step attends, in C: the top ``n`` of pages ``[0, scored)`` by the query
+    group's bound (``gqa`` "sum" or "max" of the G queries' bounds), ties to the lower page, in
+    ascending page order, then page ``scored`` (the newest, always taken). q ``(B, H_q, D)`` fp32;
+    meta ``(B, H_kv, P_cap, 2D)`` fp32 rows ``[max | min]``, last dim contiguous, ``P_cap > scored``.
+    Returns ``(B, H_kv, min(n, scored) + 1)`` int64. Equals :func:`quest_top_pages_ref` up to the
+    rounding of the bounds (a near-tie may rank the other way)."""
+    fn = _top_lib()
+    B, H_q, D = q.shape
+    H = meta.shape[1]
+    ok = (fn is not None and q.device.type == meta.device.type == "cpu" and q.dtype == meta.dtype == torch.float32
+          and meta.dim() == 4 and meta.shape[0] == B and meta.shape[3] == 2 * D and H_q % H == 0
+          and meta.shape[2] > scored >= 0 and n >= 0 and q.stride(2) == 1 and meta.stride(3) == 1
+          and gqa in ("sum", "max"))
+    if not ok:
+        raise ValueError(
+            "kvpass: quest_top_pages_cpu needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) with "
+            f"contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} {q.dtype}, "
+            f"meta {tuple(meta.shape)} {meta.dtype}, scored={scored}, n={n}, gqa={gqa!r}"
+        )
+    k = min(n, scored)
+    out = torch.empty((B, H, k + 1), dtype=torch.int64)
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3],
+            out.data_ptr(), *out.stride(), B, H, H_q // H, D, scored, k, scored, int(gqa == "max"))
+    if rc != 0:
+        raise MemoryError("kvpass: quest_top_pages_cpu could not allocate its scratch")
+    return out
+
+
+def quest_top_pages_ref(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum") -> torch.Tensor:
+    """Plain torch :func:`quest_top_pages_cpu` (float64 bounds, a stable sort for the ties)."""
+    B, H_q, D = q.shape
+    H = meta.shape[1]
+    qg = q.reshape(B, H, H_q // H, D).double()
+    qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
+    per_q = qq @ meta[:, :, :scored].double().transpose(-1, -2)  # (B, H, G, scored)
+    bound = per_q.sum(2) if gqa == "sum" else per_q.amax(2)
+    k = min(n, scored)
+    top = torch.sort(bound, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+    return torch.cat([top, torch.full((B, H, 1), scored, dtype=torch.int64)], dim=-1)

@@ -53,6 +53,8 @@ def select_clusters(scores, sizes, offsets, order, budget: int) -> torch.Tensor:
 
     if _use_triton(scores):
         return clusterkv.select_clusters(scores, sizes, offsets, order, budget)
+    if scores.device.type == "cpu" and clusterkv.select_clusters_cpu_available():
+        return clusterkv.select_clusters_cpu(scores, sizes, offsets, order, budget)
     return clusterkv.select_clusters_ref(scores, sizes, offsets, order, budget)
 
 

@@ -124,18 +124,31 @@ class QuestState(SiteState):
             return torch.matmul(qq.sum(2, keepdim=True), meta.transpose(-1, -2))[:, :, 0]
         return torch.matmul(qq, meta.transpose(-1, -2)).amax(2)
 
+    def _top_in_c(self, q: torch.Tensor) -> bool:
+        from kvpass.kernels.quest import quest_top_pages_cpu_available
+
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and type(q) is torch.Tensor
+                and q.stride(2) == 1 and quest_top_pages_cpu_available())
+
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         if length <= budget:
             self.pages = None
             return None
         pages = -(-length // ps)
-        scores = self.page_scores(call, pages - 1)  # the newest page is always taken
         n_pages = min(budget // ps - 1, pages - 1)
-        top = scores.topk(n_pages, dim=-1, sorted=False).indices
-        last = top.new_full((*top.shape[:2], 1), pages - 1)
-        self.pages = torch.cat([top, last], dim=-1)  # (B, H_kv, n_pages + 1)
-        idx = (self.pages[..., None] * ps + torch.arange(ps, device=top.device)).flatten(-2)
+        q = call.q[:, :, 0]
+        if self._top_in_c(q):
+            # scoring and the top pages in one C call (ascending pages, then the newest)
+            from kvpass.kernels.quest import quest_top_pages_cpu
+
+            self.pages = quest_top_pages_cpu(q, self.meta, pages - 1, n_pages, self.policy.gqa)
+        else:
+            scores = self.page_scores(call, pages - 1)  # the newest page is always taken
+            top = scores.topk(n_pages, dim=-1, sorted=False).indices
+            last = top.new_full((*top.shape[:2], 1), pages - 1)
+            self.pages = torch.cat([top, last], dim=-1)  # (B, H_kv, n_pages + 1)
+        idx = (self.pages[..., None] * ps + torch.arange(ps, device=q.device)).flatten(-2)
         return torch.where(idx < length, idx, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Small C kernels for the CPU paths, built once per machine and loaded with ctypes.
+
+A kernel file that has a C counterpart of its Triton kernel (``cpu_decode.py``, ``clusterkv.py``) keeps
+its C source beside the Triton one and gets the library from :func:`library`. The library is compiled
+with the C compiler Inductor's CPU backend uses (``$CC``, else ``cc``; ``-O3 -march=native``, IEEE
+arithmetic, pthreads) into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), named by a
+hash of the source, the compiler, the flags and the CPU's feature flags, so that a changed source or
+another CPU gets its own file; a second process loads the file without compiling. ``KVPASS_NATIVE=0``
+turns every C kernel off, and a machine without a working compiler has none: the callers then run their
+torch code (the same results; docs/design.md, "Fused decode attention on CPU").
+
+The loaded libraries are a per-process cache of build artifacts (like Triton's kernel cache), not state
+of any backend: they hold no data between calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["FLAGS", "enabled", "library"]
+
+# no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """False when ``KVPASS_NATIVE=0`` turns the C kernels off."""
+    return os.environ.get("KVPASS_NATIVE", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVPASS_CACHE") or Path.home() / ".cache" / "kvpass"
+    return Path(root) / "native"
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _build(name: str, source: str) -> Path | None:
+    cc = os.environ.get("CC") or "cc"
+    key = hashlib.sha256("\0".join([source, cc, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{name}-{key}.so"
+    if path.exists():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            so = Path(tmp) / path.name
+            subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(so, path)  # atomic: a process building the same key at once gets a whole file
+    except (OSError, subprocess.SubprocessError):  # no compiler, a failed build, a cache not writable
+        return None
+    return path
+
+
+def library(name: str, source: str) -> ctypes.CDLL | None:
+    """The compiled ``source`` (built on first use), or None where C kernels are off or cannot be built."""
+    key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()}"
+    if key in _loaded:
+        return _loaded[key]
+    with _lock:
+        if key not in _loaded:
+            path = _build(name, source) if enabled() else None
+            lib = None
+            if path is not None:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError:  # a damaged file in the cache: build it again, once
+                    path.unlink(missing_ok=True)
+                    path = _build(name, source)
+                    lib = ctypes.CDLL(str(path)) if path is not None else None
+            _loaded[key] = lib
+        return _loaded[key]
