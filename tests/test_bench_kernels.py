@@ -25,7 +25,9 @@ def test_quick_cpu_benchmark_rows():
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["bytes"] > 0 and r["gbps"] > 0, r
         assert r["baseline_bytes"] > 0 and r["baseline_gbps"] > 0 and r["N"] > 0, r
-        assert r["device"] == "cpu" and r["impl"] == "torch ref"
+        # the CPU paths: the C kernels where this machine has them built (it does), torch code elsewhere
+        c_rows = {"sparse_decode_attention", "centroid_decode_attention", "select_clusters"}
+        assert r["device"] == "cpu" and r["impl"] == ("C" if r["kernel"] in c_rows else "torch ref"), r
     table = format_table(rows)
     assert all(k in table for k in KERNELS)
 

@@ -28,7 +28,8 @@ One row per (kernel, shape); ``N`` is what the kernel reads or returns (see each
   no sinks or recent slots) + :func:`merge_scatter` of half the pairs (``N = S / 4`` merges), against
   dense SDPA over ``S`` (a cost reference: a round runs once per merge, not per decode step).
 
-On CPU the references (the CPU decode path) are timed with ``torch.utils.benchmark.Timer``
+On CPU the CPU decode paths are timed (``impl``: "C" for the C kernels of
+:mod:`kvpass.kernels.native` where they are built, "torch ref" for the torch references) with ``torch.utils.benchmark.Timer``
 (``blocked_autorange``, median); on CUDA the Triton launchers (``use_triton=True`` where the op has
 a switch) with ``triton.testing.do_bench`` (median). Each row also gives the bytes the kernel must
 move at least and the achieved bandwidth; on CUDA against the device's peak (see
@@ -259,7 +260,7 @@ def benchmark_kernels(
     timer = _time_cuda if cuda else _time_cpu
     el = torch.empty((), dtype=dtype).element_size()
     peak, _ = peak_bandwidth(torch.device(device)) if cuda else (None, "")
-    from kvpass.kernels import centroid, clusterkv, quest, tailorkv
+    from kvpass.kernels import centroid, clusterkv, cpu_decode, quest, tailorkv
 
     rows: list[dict] = []
 
@@ -281,7 +282,8 @@ def benchmark_kernels(
             io = (s.B * s.H_q * s.D * 2) * el  # q and out
             nbytes = s.B * s.H_kv * s.N * 2 * s.D * el + io + idx.numel() * idx.element_size()
             dense_bytes = s.B * s.H_kv * s.S * 2 * s.D * el + io
-            impl = "triton" if cuda else "torch ref"
+            impl = "triton" if cuda else "C" if cpu_decode.available() else "torch ref"  # the attention rows
+            ref_impl = "triton" if cuda else "torch ref"  # the rows whose CPU path is torch code
             dense_ms = timer(dense, quick)  # the baseline of every attention-shaped row of this shape
             add("sparse_decode_attention", s, impl, timer(sparse, quick),
                 "dense SDPA over S", dense_ms, nbytes, dense_bytes)
@@ -308,7 +310,7 @@ def benchmark_kernels(
             v_res = torch.randn(s.B, s.H_kv, R, s.D, generator=g).to(device, dtype)
             quant = tailorkv.quant_decode_attention if cuda else tailorkv.quant_decode_attention_ref
             fn = lambda: quant(q, kq, vq, k_res, v_res, scale=scale)  # noqa: E731
-            add("quant_decode_attention", s, impl, timer(fn, quick), "dense SDPA over S", dense_ms,
+            add("quant_decode_attention", s, ref_impl, timer(fn, quick), "dense SDPA over S", dense_ms,
                 kq.nbytes() + vq.nbytes() + 2 * BH * R * s.D * el + io, dense_bytes, {"N": Sq})
             del kq, vq, k_res, v_res
 
@@ -320,7 +322,7 @@ def benchmark_kernels(
             fn = lambda: topk(q, k_ch, ch, s.N)  # noqa: E731
             base = lambda: _dense_scores_topk(q, k, s.N)  # noqa: E731
             qb, idx_b = s.B * s.H_q * s.D * el, BH * s.N * 8
-            add("partial_topk", s, impl, timer(fn, quick), "q.K^T + topk", timer(base, quick),
+            add("partial_topk", s, ref_impl, timer(fn, quick), "q.K^T + topk", timer(base, quick),
                 BH * s.S * (n_ch * el + 4) + qb + BH * n_ch * 8 + idx_b,
                 BH * s.S * s.D * el + qb + idx_b)
             del ch, k_ch
@@ -332,7 +334,7 @@ def benchmark_kernels(
             fn = lambda: assign(k, cents)  # noqa: E731
             q4g = q.view(s.B, s.H_kv, G, s.D)
             base = lambda: torch.matmul(q4g, k.transpose(-1, -2))  # noqa: E731
-            add("kmeans_assign", s, impl, timer(fn, quick), "q.K^T (cost ref)", timer(base, quick),
+            add("kmeans_assign", s, ref_impl, timer(fn, quick), "q.K^T (cost ref)", timer(base, quick),
                 BH * (s.S * (s.D * el + 12) + C * s.D * 4), BH * s.S * s.D * el + qb + s.B * s.H_q * s.S * el,
                 {"N": C})
             del cents
@@ -340,10 +342,13 @@ def benchmark_kernels(
             # ClusterKV budgeted cluster recall vs token-level topk
             scores, sizes, offsets, order = _cluster_inputs(s, device)
             tok = torch.randn(s.B, s.H_kv, s.S, generator=g).to(device)
-            select = clusterkv.select_clusters if cuda else clusterkv.select_clusters_ref
+            c_select = not cuda and clusterkv.select_clusters_cpu_available()  # the CPU path in C
+            select = (clusterkv.select_clusters if cuda else clusterkv.select_clusters_cpu if c_select
+                      else clusterkv.select_clusters_ref)
             fn = lambda: select(scores, sizes, offsets, order, s.N)  # noqa: E731
             base = lambda: torch.topk(tok, s.N, dim=-1)  # noqa: E731
-            add("select_clusters", s, impl, timer(fn, quick), "topk over S", timer(base, quick),
+            sel_impl = "triton" if cuda else "C" if c_select else "torch ref"
+            add("select_clusters", s, sel_impl, timer(fn, quick), "topk over S", timer(base, quick),
                 BH * (20 * scores.shape[2] + 8 + 16 * s.N), BH * (4 * s.S + 12 * s.N))
             del scores, sizes, offsets, order, tok
 
@@ -352,7 +357,7 @@ def benchmark_kernels(
             NA = centroid.num_candidates(0, s.S, 256)
             fn = lambda: centroid.merge_round(k, v, ones, 0, 0, 256, 0.5, use_triton=cuda)  # noqa: E731
             m = fn().merged
-            add("merge_round", s, impl, timer(fn, quick), "dense SDPA (cost ref)", dense_ms,
+            add("merge_round", s, ref_impl, timer(fn, quick), "dense SDPA (cost ref)", dense_ms,
                 BH * (s.S * s.D * el + NA * 20) + BH * ((2 * s.S - m) * (2 * s.D * el + 4) + NA * 17),
                 dense_bytes, {"N": m})
             del ones
