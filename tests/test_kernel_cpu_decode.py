@@ -82,7 +82,8 @@ def test_dense_equals_sdpa_and_writes_out():
 def test_threads_split_the_pairs_with_the_same_result(threads):
     # enough rows that the pairs are split (MIN_ROWS_PER_THREAD): each thread writes its own rows only
     gen = torch.Generator().manual_seed(threads)
-    q, k, v = torch.randn(3, 9, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen)
+    q = torch.randn(3, 9, 64, generator=gen)
+    k, v = torch.randn(3, 3, 9000, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen)
     idx = torch.randint(-1, 9000, (3, 3, 5000), generator=gen)
     for i in (None, idx):
         want = cpu_decode_attention(q, k, v, i, 0.1, threads=1)
@@ -109,7 +110,8 @@ def test_unsupported_operands_are_refused():
 def test_segments_path_equals_listing_the_positions(ranges, n, seed):
     # StreamingLLM's and ClusterKV's ranges and recalled rows now go through the kernel as one list
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(2, 6, 64, generator=gen), torch.randn(2, 3, 31, 64, generator=gen), torch.randn(2, 3, 31, 64, generator=gen)
+    q = torch.randn(2, 6, 64, generator=gen)
+    k, v = torch.randn(2, 3, 31, 64, generator=gen), torch.randn(2, 3, 31, 64, generator=gen)
     free = torch.tensor([p for p in range(31) if not any(lo <= p < hi for lo, hi in ranges)])
     idx = free[torch.stack([torch.randperm(len(free), generator=gen)[:n] for _ in range(6)])].view(2, 3, -1)
     out = segments_decode_attention(q, k, v, ranges, 0.125, idx)
@@ -120,7 +122,8 @@ def test_segments_path_equals_listing_the_positions(ranges, n, seed):
 def test_paged_path_skips_the_newest_pages_empty_tail():
     gen = torch.Generator().manual_seed(0)
     B, H, C, D, ps, length = 2, 3, 64, 64, 16, 37
-    q, k, v = torch.randn(B, 3 * H, D, generator=gen), torch.randn(B, H, C, D, generator=gen), torch.randn(B, H, C, D, generator=gen)
+    q = torch.randn(B, 3 * H, D, generator=gen)
+    k, v = torch.randn(B, H, C, D, generator=gen), torch.randn(B, H, C, D, generator=gen)
     pages = torch.tensor([0, 2]).expand(B, H, 2).contiguous()  # page 2 holds positions 32..36 only
     out = paged_decode_attention_ref(q, k, v, pages, ps, length, 0.125, dense=False, newest_last=True)
     pos = torch.cat([torch.arange(16), torch.arange(32, 37)]).expand(B, H, -1)
@@ -156,3 +159,20 @@ def test_a_cache_stub_is_refused_not_read():
     assert not cpu_decode.supports(q, stub, stub)
     with pytest.raises(KVPassError, match="outside the compiled graph"):
         sparse_decode_attention_ref(q, stub, stub, torch.zeros(1, 3, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "float", "shared"])
+def test_fulls_grouped_decode_equals_sdpa_with_its_mask(kind):
+    # Full's exact one-token step (padding masks as the kernel's bias) against SDPA with enable_gqa
+    from kvpass.runtime.state import _grouped_decode
+
+    gen = torch.Generator().manual_seed(5)
+    B, S = 3, 50
+    q = torch.randn(B, 9, 1, 64, generator=gen)
+    k, v = torch.randn(B, 3, S, 64, generator=gen), torch.randn(B, 3, S, 64, generator=gen)
+    keep = torch.arange(S) >= torch.tensor([0, 7, 49])[:, None]  # left padding of 0, 7 and 49 tokens
+    mask = {"none": None, "bool": keep[:, None, None, :],
+            "float": torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :],
+            "shared": keep[:1, None, None, :]}[kind]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(_grouped_decode(q, k, v, mask, 0.125), want, atol=2e-5, rtol=1e-5)

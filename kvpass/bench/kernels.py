@@ -28,8 +28,8 @@ One row per (kernel, shape); ``N`` is what the kernel reads or returns (see each
   no sinks or recent slots) + :func:`merge_scatter` of half the pairs (``N = S / 4`` merges), against
   dense SDPA over ``S`` (a cost reference: a round runs once per merge, not per decode step).
 
-On CPU the CPU decode paths are timed (``impl``: "C" for the C kernels of
-:mod:`kvpass.kernels.native` where they are built, "torch ref" for the torch references) with ``torch.utils.benchmark.Timer``
+On CPU the CPU decode paths are timed (``impl``: "C" for the C kernels of :mod:`kvpass.kernels.native`
+where they are built, "torch ref" for the torch references) with ``torch.utils.benchmark.Timer``
 (``blocked_autorange``, median); on CUDA the Triton launchers (``use_triton=True`` where the op has
 a switch) with ``triton.testing.do_bench`` (median). Each row also gives the bytes the kernel must
 move at least and the achieved bandwidth; on CUDA against the device's peak (see

@@ -215,8 +215,10 @@ static void *run_job(void *arg) {
     for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
         int64_t b = p / j->Hk, h = p % j->Hk;
         pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->k + b * j->ks_b + h * j->ks_h, j->ks_s,
-             j->v + b * j->vs_b + h * j->vs_h, j->vs_s, j->idx ? j->idx + b * j->is_b + h * j->is_h : 0, j->is_n,
-             j->bias ? j->bias + b * j->bs_b + h * j->bs_h : 0, j->bs_s, j->out + b * j->os_b + h * j->G * j->os_h,
+             j->v + b * j->vs_b + h * j->vs_h, j->vs_s,
+             j->idx ? j->idx + b * j->is_b + h * j->is_h : 0, j->is_n,
+             j->bias ? j->bias + b * j->bs_b + h * j->bs_h : 0, j->bs_s,
+             j->out + b * j->os_b + h * j->G * j->os_h,
              j->os_h, sc, rows, j->G, j->S, j->N, j->D, j->scale);
     }
     free(sc);
@@ -248,7 +250,8 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
     int started[MAX_THREADS] = {0};
     for (int64_t i = 0; i < t; i++) {
         job_t j = {q, k, v, bias, idx, out, qs_b, qs_h, ks_b, ks_h, ks_s, vs_b, vs_h, vs_s, is_b, is_h, is_n,
-                   bs_b, bs_h, bs_s, os_b, os_h, Hk, G, S, N, D, pairs * i / t, pairs * (i + 1) / t, scale, 0};
+                   bs_b, bs_h, bs_s, os_b, os_h, Hk, G, S, N, D, pairs * i / t, pairs * (i + 1) / t,
+                   scale, 0};
         jobs[i] = j;
     }
     for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_job, &jobs[i]) == 0;
@@ -279,7 +282,8 @@ def _load():
             fn = lib.kvpass_decode_attention
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                           ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+                           ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                           i64]
             fn.restype = ctypes.c_int
         _fn.append(fn)
     return _fn[0]

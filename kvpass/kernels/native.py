@@ -45,7 +45,8 @@ def _cache_dir() -> Path:
 
 def _cpu_key() -> str:
     try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((ln for ln in lines if ln.startswith("flags")), "")
     except OSError:
         flags = ""
     return f"{platform.machine()} {flags}"

@@ -410,7 +410,9 @@ def quest_top_pages_cpu_available() -> bool:
     return _top_lib() is not None
 
 
-def quest_top_pages_cpu(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum") -> torch.Tensor:
+def quest_top_pages_cpu(
+    q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum"
+) -> torch.Tensor:
     """The pages a Quest decode step attends, in C: the top ``n`` of pages ``[0, scored)`` by the query
     group's bound (``gqa`` "sum" or "max" of the G queries' bounds), ties to the lower page, in
     ascending page order, then page ``scored`` (the newest, always taken). q ``(B, H_q, D)`` fp32;
@@ -420,14 +422,15 @@ def quest_top_pages_cpu(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int
     fn = _top_lib()
     B, H_q, D = q.shape
     H = meta.shape[1]
-    ok = (fn is not None and q.device.type == meta.device.type == "cpu" and q.dtype == meta.dtype == torch.float32
-          and meta.dim() == 4 and meta.shape[0] == B and meta.shape[3] == 2 * D and H_q % H == 0
+    ok = (fn is not None and q.device.type == meta.device.type == "cpu"
+          and q.dtype == meta.dtype == torch.float32 and meta.dim() == 4 and meta.shape[0] == B and meta.shape[3] == 2 * D and H_q % H == 0
           and meta.shape[2] > scored >= 0 and n >= 0 and q.stride(2) == 1 and meta.stride(3) == 1
           and gqa in ("sum", "max"))
     if not ok:
         raise ValueError(
-            "kvpass: quest_top_pages_cpu needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) with "
-            f"contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} {q.dtype}, "
+            "kvpass: quest_top_pages_cpu needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) "
+            "with contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q "
+            f"{tuple(q.shape)} {q.dtype}, "
             f"meta {tuple(meta.shape)} {meta.dtype}, scored={scored}, n={n}, gqa={gqa!r}"
         )
     k = min(n, scored)
@@ -439,7 +442,9 @@ def quest_top_pages_cpu(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int
     return out
 
 
-def quest_top_pages_ref(q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum") -> torch.Tensor:
+def quest_top_pages_ref(
+    q: torch.Tensor, meta: torch.Tensor, scored: int, n: int, gqa: str = "sum"
+) -> torch.Tensor:
     """Plain torch :func:`quest_top_pages_cpu` (float64 bounds, a stable sort for the ties)."""
     B, H_q, D = q.shape
     H = meta.shape[1]

@@ -142,15 +142,23 @@ def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
     """One decode query per head, ``q (B, H_q, 1, D)``, over ``k, v (B, H_kv, S, D)``: the query heads of a
     KV head become that head's rows, ``(B, H_kv, G, D)``, so SDPA reads each KV head once for its whole
     group. The same attention as ``enable_gqa``, each row computed alone (no causal mask with one query),
-    and faster on CPU (docs/design.md, "Decode attention on CPU")."""
+    and faster on CPU (docs/design.md, "Decode attention on CPU"). fp32 on CPU: the C kernel of
+    :mod:`kvpass.kernels.cpu_decode`, the mask (padding) as its bias."""
+    from kvpass.kernels import cpu_decode
+
     b, h_q, _, d = q.shape
     h_kv = k.shape[1]
-    if attn_mask is None:
-        from kvpass.kernels import cpu_decode
-
-        if cpu_decode.supports(q[:, :, 0], k, v):
-            return cpu_decode.cpu_decode_attention(q[:, :, 0], k, v, None, scale).view(b, h_q, 1, v.shape[3])
-    out = F.scaled_dot_product_attention(q.reshape(b, h_kv, h_q // h_kv, d), k, v, attn_mask=attn_mask, scale=scale)
+    if cpu_decode.supports(q[:, :, 0], k, v) and (attn_mask is None or attn_mask.shape[-1] == k.shape[2]):
+        bias = None
+        if attn_mask is not None:
+            row = attn_mask[:, 0, 0]  # (B or 1, S): shared by the heads and the one query
+            bias = (torch.zeros(row.shape, dtype=torch.float32, device=row.device).masked_fill_(~row, -math.inf)
+                    if row.dtype == torch.bool else row.float())
+            bias = bias[:, None, :].expand(b, h_kv, -1)
+        out = cpu_decode.cpu_decode_attention(q[:, :, 0], k, v, None, scale, bias)
+        return out.view(b, h_q, 1, v.shape[3])
+    qg = q.reshape(b, h_kv, h_q // h_kv, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=scale)
     return out.view(b, h_q, 1, v.shape[3])
 
 
