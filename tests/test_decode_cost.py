@@ -151,6 +151,7 @@ def test_page_has_command_tables_plots_and_the_window_note(run, tmp_path):
     assert "```bash\nkvpass bench --decode-cost --model tiny\n" in text
     assert "Past the trained window" in text and "256 positions" in text and "320" in text
     assert "By context, batch 1" in text and "By batch, context 64" in text and "Where a step goes" in text
+    assert "CPU decode kernels: C (kvpass.kernels.native)" in text  # which CPU path the rows measured
     for name in ("tiny_ms_vs_context.png", "tiny_ms_vs_batch.png", "tiny_breakdown.png"):
         assert (tmp_path / "docs" / "decode-cost" / name).stat().st_size > 0
         assert f"decode-cost/{name}" in text

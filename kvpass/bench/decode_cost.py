@@ -704,7 +704,8 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
     for t, (m, bw) in sorted(machines.items()):
         lines.append(
             f"- {t} torch thread(s): {m.get('cpu_count')} cores, {m.get('processor')}, {m.get('platform')}; Python "
-            f"{m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; measured bandwidth "
+            f"{m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; CPU decode kernels: "
+            f"{_kernels_label(m)}; measured bandwidth "
             f"{bw['gbps']:.1f} GB/s (best of {bw['repeats']} sums of {bw['mb']} MB: {bw['sum_gbps']:.1f} GB/s read; "
             f"copies: {bw['copy_gbps']:.1f} GB/s read + written)")
     first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
@@ -764,6 +765,13 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+
+
+def _kernels_label(machine: dict) -> str:
+    native = machine.get("native_kernels")
+    if native is None:
+        return "not recorded (rows from before kvpass.kernels.native)"
+    return "C (kvpass.kernels.native)" if native else "torch (KVPASS_NATIVE=0 or no C compiler)"
 
 
 def parse_policies(text: str) -> list[Policy]:

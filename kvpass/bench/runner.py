@@ -99,7 +99,16 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.cuda.is_available(),
+        # the CPU decode paths: the C kernels of kvpass.kernels.native, or the torch code (KVPASS_NATIVE=0,
+        # no compiler)
+        "native_kernels": _native_kernels(),
     }
+
+
+def _native_kernels() -> bool:
+    from kvpass.kernels import cpu_decode
+
+    return cpu_decode.available()
 
 
 # Fields that are the budget (its own column) or follow from it, or are shown elsewhere (a profile).
