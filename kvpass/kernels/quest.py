@@ -309,6 +309,31 @@ def quest_page_scores_ref(
 _TOP_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline float hsum16(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* sum of r[d] * m[d] over n values: 16 lanes at a time (n % 16 == 0), else one at a time */
+static inline float dot(const float *r, const float *m, int64_t n) {
+    if (n % 16 == 0) {
+        v16 acc = load16(r) * load16(m);
+        for (int64_t d = 16; d < n; d += 16) acc += load16(r + d) * load16(m + d);
+        return hsum16(acc);
+    }
+    float acc = 0.f;
+    for (int64_t d = 0; d < n; d++) acc += r[d] * m[d];
+    return acc;
+}
 
 typedef struct { float s; int64_t p; } cand_t;
 
@@ -358,9 +383,7 @@ int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
                 const float *m = mp + p * ms_p;
                 float best = 0.f;
                 for (int64_t g = 0; g < rows; g++) {
-                    const float *r = qq + g * 2 * D;
-                    float acc = 0.f;
-                    for (int64_t d = 0; d < 2 * D; d++) acc += r[d] * m[d];
+                    float acc = dot(qq + g * 2 * D, m, 2 * D);
                     if (g == 0 || acc > best) best = acc;
                 }
                 cand_t c = {best, p};
