@@ -380,6 +380,91 @@ def benchmark_kernels(
     return rows
 
 
+#: Decode problems of the CPU-path comparison: SmolLM2's shapes at 8k tokens, batch 1 and 8.
+CPU_PATH_SHAPES = (
+    Shape("smollm2", 1, 9, 3, 64, 8192, 1024),
+    Shape("smollm2", 8, 9, 3, 64, 8192, 1024),
+)
+QUICK_CPU_PATH_SHAPES = (
+    Shape("smollm2", 1, 9, 3, 64, 2048, 256),
+    Shape("smollm2", 2, 9, 3, 64, 2048, 256),
+)
+
+
+def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
+    """Each C kernel of :mod:`kvpass.kernels.native` against the torch code it replaces on CPU (what runs
+    with ``KVPASS_NATIVE=0``), in one run, fp32. Rows as :func:`benchmark_kernels` gives them, with
+    ``impl`` "C" and ``baseline`` "torch path":
+
+    - ``attend_all``: a decode step over all ``S`` tokens (``Full``): the C kernel against the grouped
+      SDPA of :func:`kvpass.kernels.sparse_attention.decode_attention_torch`; bytes: K and V once + io.
+    - ``attend_listed``: over ``N`` listed positions of ``S`` (distinct, sorted, random: a selection):
+      the C kernel reading them in place against the torch path's gather into a reused workspace + SDPA;
+      bytes: the listed K and V rows + io + idx.
+    - ``quest_top_pages``: bounds of ``S / page_size`` pages and the top ``N / page_size``:
+      :func:`~kvpass.kernels.quest.quest_top_pages_cpu` against
+      :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp32 a page).
+    - ``cluster_recall``: ``C = S // 80`` clusters, budget ``N``:
+      :func:`~kvpass.kernels.clusterkv.select_clusters_cpu` against
+      :func:`~kvpass.kernels.clusterkv.select_clusters_ref`; bytes as for ``select_clusters``.
+
+    Raises RuntimeError where the C kernels are not built."""
+    from kvpass.kernels import clusterkv, cpu_decode, quest
+    from kvpass.kernels import sparse_attention as sa
+    from kvpass.runtime.state import Workspace
+
+    if not (cpu_decode.available() and quest.quest_top_pages_cpu_available()
+            and clusterkv.select_clusters_cpu_available()):
+        raise RuntimeError("kvpass: benchmark_cpu_paths needs the C kernels (KVPASS_NATIVE=0 or no C compiler)")
+    shapes = shapes or (QUICK_CPU_PATH_SHAPES if quick else CPU_PATH_SHAPES)
+    rows: list[dict] = []
+
+    def add(kernel, s, ms, base_ms, nbytes, extra=None):
+        row = dict(kernel=kernel, shape=f"{s.name} b{s.B}", **{k: v for k, v in asdict(s).items() if k != "name"},
+                   dtype="float32", device="cpu", impl="C", ms=ms, baseline="torch path", baseline_ms=base_ms,
+                   speedup=base_ms / ms, bytes=nbytes, gbps=nbytes / ms / 1e6, baseline_bytes=nbytes,
+                   baseline_gbps=nbytes / base_ms / 1e6)
+        row.update(extra or {})
+        rows.append(row)
+
+    with torch.no_grad():
+        for s in shapes:
+            q, k, v, idx = _sparse_inputs(s, "cpu", torch.float32)
+            idx = idx.long()
+            scale = 1.0 / math.sqrt(s.D)
+            io = 2 * s.B * s.H_q * s.D * 4
+            c = lambda: cpu_decode.cpu_decode_attention(q, k, v, None, scale)  # noqa: E731
+            t = lambda: sa.decode_attention_torch(q, k, v, None, None, scale)  # noqa: E731
+            torch.testing.assert_close(c(), t(), atol=1e-4, rtol=1e-4)
+            add("attend_all", s, _time_cpu(c, quick), _time_cpu(t, quick), s.B * s.H_kv * s.S * 2 * s.D * 4 + io,
+                {"N": s.S})
+            ws = Workspace()
+            c = lambda: cpu_decode.cpu_decode_attention(q, k, v, idx, scale)  # noqa: E731
+            t = lambda: sa.decode_attention_torch(q, k, v, idx, None, scale, ws, False)  # noqa: E731
+            torch.testing.assert_close(c(), t(), atol=1e-4, rtol=1e-4)
+            add("attend_listed", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                s.B * s.H_kv * s.N * (2 * s.D * 4 + 8) + io)
+            del q, k, v, idx, ws
+
+            qq, kmin, kmax = _quest_inputs(s, "cpu", torch.float32)
+            meta = torch.cat([kmax, kmin], dim=-1).contiguous()
+            P, n = meta.shape[2] - 1, s.N // s.page_size - 1
+            c = lambda: quest.quest_top_pages_cpu(qq, meta, P, n)  # noqa: E731
+            t = lambda: quest.quest_top_pages_torch(qq, meta, P, n)  # noqa: E731
+            add("quest_top_pages", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                s.B * s.H_kv * P * 2 * s.D * 4 + s.B * s.H_q * s.D * 4, {"N": n + 1})
+            del qq, kmin, kmax, meta
+
+            scores, sizes, offsets, order = _cluster_inputs(s, "cpu")
+            c = lambda: clusterkv.select_clusters_cpu(scores, sizes, offsets, order, s.N)  # noqa: E731
+            t = lambda: clusterkv.select_clusters_ref(scores, sizes, offsets, order, s.N)  # noqa: E731
+            assert torch.equal(c(), t())
+            BH = s.B * s.H_kv
+            add("cluster_recall", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                BH * (20 * scores.shape[2] + 8 + 16 * s.N))
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     cols = ["kernel", "shape", "S", "N", "dtype", "impl", "ms", "baseline", "baseline_ms", "speedup",
             "gbps", "baseline_gbps"]
@@ -403,9 +488,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes, short runs")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: torch's); 1 is steadier on a machine shared with other jobs")
+    ap.add_argument("--cpu-paths", action="store_true",
+                    help="instead: each C kernel against the torch code it replaces on CPU (benchmark_cpu_paths)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_paths:
+        rows = benchmark_cpu_paths(quick=args.quick)
+        print(f"kvpass C kernels against the torch paths they replace ({torch.get_num_threads()} threads, fp32, "
+              "one run; N: positions listed, pages chosen, or tokens recalled)")
+        print(format_table(rows))
+        return 0
     rows = benchmark_kernels(args.device, quick=args.quick)
     head = f"kvpass kernels on {args.device}"
     if args.device == "cuda":
@@ -413,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         name = torch.cuda.get_device_name(0)
         head += f" ({name}; peak {peak / 1e9:.0f} GB/s, {how})" if peak else f" ({name}; peak {how})"
     else:
-        head += f" ({torch.get_num_threads()} threads; torch reference path)"
+        head += f" ({torch.get_num_threads()} threads; CPU decode paths, impl column)"
     print(head)
     print("N: positions read or returned (quest: pages S/page_size; centroid: merged slots; quant: 1-bit "
           "tokens, + 128 fp; kmeans_assign: centroids; merge_round: pairs merged)")

@@ -350,15 +350,24 @@ def _decode_sdpa(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch
     heads of a KV head (``(B, H_kv, G, D)``), over the gathered positions, or over the whole cache with a
     mask when the index list holds at least ``DENSE_FROM`` of it. A position listed m times is given
     bias ``log m`` in the mask, which is what listing it m times does to the softmax. Rows with nothing
-    valid give 0 (SDPA's CPU kernels return 0 for a row masked everywhere)."""
-    import torch.nn.functional as F
-
-    B, H_q, D = q.shape
-    _, H_kv, S, _ = k.shape
+    valid give 0 (SDPA's CPU kernels return 0 for a row masked everywhere). The C kernel of
+    :mod:`kvpass.kernels.cpu_decode` serves it where it is built, else :func:`decode_attention_torch`."""
     if cpu_decode.supports(q, k, v):
         # the fused C kernel reads the listed rows in place: no gather, no mask, no dense switch
         return cpu_decode.cpu_decode_attention(q, k, v, None if idx is None else idx.long(), scale,
                                                None if bias is None else bias.float())
+    return decode_attention_torch(q, k, v, idx, bias, scale, workspace, dense)
+
+
+def decode_attention_torch(q, k, v, idx, bias, scale, workspace=None, dense=None) -> torch.Tensor:
+    """The torch code of the fp32 CPU path (see :func:`_decode_sdpa`), where the C kernel is not built
+    (``KVPASS_NATIVE=0``, no compiler) or cannot serve the operands; ``kvpass bench --kernels``
+    (:func:`kvpass.bench.kernels.benchmark_cpu_paths`) times the C kernel against it. Shapes as in
+    :func:`sparse_decode_attention_ref`."""
+    import torch.nn.functional as F
+
+    B, H_q, D = q.shape
+    _, H_kv, S, _ = k.shape
     qg = q.reshape(B, H_kv, H_q // H_kv, D)
     if idx is None:
         mask = None if bias is None else bias.float()[:, :, None, :]

@@ -107,22 +107,15 @@ class QuestState(SiteState):
         self.pages = None  # made again at the next selection
 
     def page_scores(self, call: AttentionCall, pages: int) -> torch.Tensor:
-        """(B, H_kv, pages) upper bounds of the query group's q·k per page."""
-        b, h_kv, _, d = call.k.shape
-        q = call.q[:, :, 0].reshape(b, h_kv, call.group, d).float()
-        if q.is_cuda:
-            from kvpass.lowering.dispatch import quest_scores
+        """(B, H_kv, pages) upper bounds of the query group's q·k per page, on CUDA (the Triton scorer;
+        the CPU paths score and choose in one call: :func:`kvpass.kernels.quest.quest_top_pages_cpu`, or
+        :func:`~kvpass.kernels.quest.quest_top_pages_torch` where C is not built)."""
+        from kvpass.lowering.dispatch import quest_scores
 
-            per_q = quest_scores(call.q[:, :, 0], self.meta[..., d:], self.meta[..., :d], pages)
-            per_q = per_q[..., :pages].reshape(b, h_kv, call.group, pages)
-            return per_q.sum(2) if self.policy.gqa == "sum" else per_q.amax(2)
-        qq = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # (B, H_kv, G, 2D)
-        meta = self.meta[:, :, :pages]
-        if self.policy.gqa == "sum":
-            # the bound is linear in q: the group's sum is one product with the summed query, as a row
-            # times meta^T (a matrix-vector product with the vector first is ~3x faster on CPU)
-            return torch.matmul(qq.sum(2, keepdim=True), meta.transpose(-1, -2))[:, :, 0]
-        return torch.matmul(qq, meta.transpose(-1, -2)).amax(2)
+        b, h_kv, _, d = call.k.shape
+        per_q = quest_scores(call.q[:, :, 0], self.meta[..., d:], self.meta[..., :d], pages)
+        per_q = per_q[..., :pages].reshape(b, h_kv, call.group, pages)
+        return per_q.sum(2) if self.policy.gqa == "sum" else per_q.amax(2)
 
     def _top_in_c(self, q: torch.Tensor) -> bool:
         from kvpass.kernels.quest import quest_top_pages_cpu_available
@@ -143,6 +136,10 @@ class QuestState(SiteState):
             from kvpass.kernels.quest import quest_top_pages_cpu
 
             self.pages = quest_top_pages_cpu(q, self.meta, pages - 1, n_pages, self.policy.gqa)
+        elif not q.is_cuda:
+            from kvpass.kernels.quest import quest_top_pages_torch
+
+            self.pages = quest_top_pages_torch(q, self.meta, pages - 1, n_pages, self.policy.gqa)
         else:
             scores = self.page_scores(call, pages - 1)  # the newest page is always taken
             top = scores.topk(n_pages, dim=-1, sorted=False).indices
