@@ -708,22 +708,14 @@ int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int6
     return 0;
 }
 """
-_select_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
 
 
 def _select_lib():
-    if not _select_fn:
-        from kvpass.kernels import native
+    from kvpass.kernels import native
 
-        lib = native.library("select_clusters", _SELECT_SOURCE)
-        fn = None
-        if lib is not None:
-            fn = lib.kvpass_select_clusters
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, i64] * 5 + [i64] * 5
-            fn.restype = ctypes.c_int
-        _select_fn.append(fn)
-    return _select_fn[0]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters",
+                           [ptr, i64, i64, i64] * 5 + [i64] * 5)
 
 
 def select_clusters_cpu_available() -> bool:

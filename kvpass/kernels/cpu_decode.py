@@ -268,25 +268,17 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
 """
 
 _MAX_GROUP = 16
-_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
 
 
 def _load():
-    """The kernel's ctypes function (:func:`kvpass.kernels.native.library`), or None."""
-    if not _fn:
-        from kvpass.kernels import native
+    """The kernel's ctypes function (:func:`kvpass.kernels.native.function`), or None."""
+    from kvpass.kernels import native
 
-        lib = native.library("decode_attention", _SOURCE)
-        fn = None
-        if lib is not None:
-            fn = lib.kvpass_decode_attention
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                           ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                           i64]
-            fn.restype = ctypes.c_int
-        _fn.append(fn)
-    return _fn[0]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return native.function("decode_attention", _SOURCE, "kvpass_decode_attention",
+                           [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                            ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                            i64])
 
 
 def available() -> bool:

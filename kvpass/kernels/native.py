@@ -24,13 +24,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "enabled", "library"]
+__all__ = ["FLAGS", "enabled", "function", "library"]
 
 # no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_functions: dict[tuple, object] = {}
 
 
 def enabled() -> bool:
@@ -90,3 +91,17 @@ def library(name: str, source: str) -> ctypes.CDLL | None:
                     lib = ctypes.CDLL(str(path)) if path is not None else None
             _loaded[key] = lib
         return _loaded[key]
+
+
+def function(name: str, source: str, symbol: str, argtypes: list, restype=ctypes.c_int):
+    """The C function ``symbol`` of :func:`library` ``(name, source)`` with its ctypes signature, or None
+    where C kernels are off or cannot be built. Made once per process."""
+    key = (name, symbol, hash(source), len(source))  # a str caches its hash: no work per call
+    if key not in _functions:
+        lib = library(name, source)
+        fn = None
+        if lib is not None:
+            fn = getattr(lib, symbol)
+            fn.argtypes, fn.restype = argtypes, restype
+        _functions[key] = fn
+    return _functions[key]

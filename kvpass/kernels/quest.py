@@ -411,22 +411,14 @@ int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
     return 0;
 }
 """
-_top_fn: list = []  # [the ctypes function, or None where C kernels are off or cannot be built]
 
 
 def _top_lib():
-    if not _top_fn:
-        from kvpass.kernels import native
+    from kvpass.kernels import native
 
-        lib = native.library("quest_top_pages", _TOP_SOURCE)
-        fn = None
-        if lib is not None:
-            fn = lib.kvpass_quest_top_pages
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + [i64] * 8
-            fn.restype = ctypes.c_int
-        _top_fn.append(fn)
-    return _top_fn[0]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return native.function("quest_top_pages", _TOP_SOURCE, "kvpass_quest_top_pages",
+                           [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + [i64] * 8)
 
 
 def quest_top_pages_cpu_available() -> bool:
