@@ -710,12 +710,13 @@ int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int6
 """
 
 
+_SELECT_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] * 5 + [ctypes.c_int64] * 5
+
+
 def _select_lib():
     from kvpass.kernels import native
 
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters",
-                           [ptr, i64, i64, i64] * 5 + [i64] * 5)
+    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters", _SELECT_ARGTYPES)
 
 
 def select_clusters_cpu_available() -> bool:

@@ -270,15 +270,16 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
 _MAX_GROUP = 16
 
 
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,
+             _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]
+
+
 def _load():
     """The kernel's ctypes function (:func:`kvpass.kernels.native.function`), or None."""
     from kvpass.kernels import native
 
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return native.function("decode_attention", _SOURCE, "kvpass_decode_attention",
-                           [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                            ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                            i64])
+    return native.function("decode_attention", _SOURCE, "kvpass_decode_attention", _ARGTYPES)
 
 
 def available() -> bool:

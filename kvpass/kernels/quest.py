@@ -413,12 +413,14 @@ int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
 """
 
 
+_TOP_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3 \
+    + [ctypes.c_void_p] + [ctypes.c_int64] * 11
+
+
 def _top_lib():
     from kvpass.kernels import native
 
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return native.function("quest_top_pages", _TOP_SOURCE, "kvpass_quest_top_pages",
-                           [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64] + [i64] * 8)
+    return native.function("quest_top_pages", _TOP_SOURCE, "kvpass_quest_top_pages", _TOP_ARGTYPES)
 
 
 def quest_top_pages_cpu_available() -> bool:

@@ -369,12 +369,9 @@ class ClusterState(SiteState):
             q = call.q
             if q.device.type != "cpu" or q.dtype != torch.float32 or call.k.dtype != q.dtype or call.valid is not None:
                 return super().attend_selected(call, idx)
-            from kvpass.kernels import cpu_decode
-
-            k, v = call.k_logical, call.v_logical
-            if cpu_decode.supports(q[:, :, 0], k, v):
-                # the C kernel reads sinks, recalled clusters and recent tokens in place, as listed
-                return cpu_decode.cpu_decode_attention(q[:, :, 0], k, v, idx, call.scale).unsqueeze(2)
+            out = self.attend_listed_in_c(call, idx)  # sinks, recalled clusters, recent tokens as listed
+            if out is not None:
+                return out
             # the sinks and the recent tokens are two ranges of the cache, attended in place; only the
             # recalled clusters' tokens are gathered
             from kvpass.kernels.sparse_attention import segments_decode_attention

@@ -149,6 +149,9 @@ class QuestState(SiteState):
         return torch.where(idx < length, idx, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        out = self.attend_listed_in_c(call, idx)  # select()'s token list, read in place
+        if out is not None:
+            return out
         store = self.store
         paged = (
             not call.q.is_cuda

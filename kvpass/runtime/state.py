@@ -482,6 +482,17 @@ class SiteState:
         )
         return out.unsqueeze(2)
 
+    def attend_listed_in_c(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor | None:
+        """(B, H_q, 1, D) attention over ``idx`` (B, H_kv, N) int64 read in place by the C kernel
+        (:mod:`kvpass.kernels.cpu_decode`), or None where it cannot serve the step (padding, another
+        device or dtype, the kernel not built): the caller then takes its torch path."""
+        from kvpass.kernels import cpu_decode
+
+        q, k, v = call.q[:, :, 0], call.k_logical, call.v_logical
+        if call.valid is not None or not cpu_decode.supports(q, k, v):
+            return None
+        return cpu_decode.cpu_decode_attention(q, k, v, idx, call.scale).unsqueeze(2)
+
     def choose_dense(self, n: int, length: int) -> bool:
         """Whether the CPU path attends ``n`` selected positions of ``length`` with a mask over the whole
         cache rather than a gather (:func:`kvpass.kernels.sparse_attention.use_dense`). The choice flips
