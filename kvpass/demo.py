@@ -3,7 +3,8 @@
 Loads the bundled SmolLM2-135M-Instruct, hides "The secret passcode is 7391." at 40% depth of about
 4,096 tokens of real English prose (CPython's ``pydoc_data.topics``, the Python reference manual), asks
 for it, and generates greedily through ``torch.compile(model.forward, backend=kvpass(policy))`` with
-``Full`` and each compressed policy (default :data:`DEMO_POLICIES`). Policies that rewrite the graph as
+``Full`` and each compressed policy (default :data:`DEMO_POLICIES`), as a batch of :data:`DEMO_BATCH`
+copies of the prompt (``--batch``), the way a server decodes several sequences at once. Policies that rewrite the graph as
 Full does (the same ``graph_key()``) run on Full's compiled graphs through ``backend.set_policy``; one
 that inserts ops of its own (offload, TailorKV) gets its own compile.
 
@@ -45,12 +46,16 @@ ANSWER = "7391"
 QUESTION = "What is the secret passcode? Answer with the number only."
 DEPTH = 0.4
 #: What ``kvpass demo`` runs beside Full: policies of docs/decode-cost.md, each attending about 1,024 of
-#: the 4,096 tokens (CentroidKV keeps a quarter of them). ClusterKV is left out of the default: at 4k and
-#: batch 1 on this CPU its k-means and selection cost more than the keys it skips (it decoded slower than
-#: Full in every demo run on 2 cores; docs/decode-cost.md has its cells); ``--policies`` runs it.
+#: the 4,096 tokens (CentroidKV keeps a quarter of them). ClusterKV is left out of the default: at 4k on
+#: this CPU its k-means and selection cost more than the keys it skips (it decoded slower than Full in
+#: every batch-1 demo run on 2 cores; docs/decode-cost.md has its cells); ``--policies`` runs it.
 DEMO_POLICIES = "StreamingLLM(budget=1024),Quest(budget=1024),CentroidKV(cache_ratio=0.25)"
 #: ``--quick``: a 2,048-token prompt, half of it attended.
 QUICK_POLICIES = "Quest(budget=1024),CentroidKV(cache_ratio=0.5)"
+#: Sequences decoded together by default, as a server batches them: the weights are read once a step
+#: for the batch and the cache once per sequence, so what a policy skips shows in the step's time (at
+#: batch 1 on this CPU the weights are most of a step's bytes: docs/decode-cost.md).
+DEMO_BATCH = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute the prompt's prefill instead of reading the one an earlier run of the same "
                         "prompt, model and thread count kept in $KVPASS_CACHE/demo (default ~/.cache/kvpass/demo)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
-                   help="decode N copies of the prompt as one batch, as a server batches sequences (default 1); "
+                   help=f"decode N copies of the prompt as one batch, as a server batches sequences (default "
+                        f"{DEMO_BATCH}); "
                         "the answer is row 0's, ms/token is per batch step and the cache held is all N rows'")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"torch CPU threads (default: torch's default, here {torch.get_num_threads()})")
@@ -452,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 16)
     if new_tokens < 2:
         raise ValueError(f"kvpass: demo needs --new-tokens >= 2 to time decoding, got {new_tokens}")
-    batch = args.batch if args.batch is not None else 1
+    batch = args.batch if args.batch is not None else DEMO_BATCH
     if batch < 1:
         raise ValueError(f"kvpass: --batch needs a positive number, got {batch}")
     if args.threads is not None and args.threads < 1:
@@ -562,17 +568,17 @@ def _run(policies, context: int, new_tokens: int, png: str, results_md: str | No
            f"Inductor's FX graph cache {hits} hit(s), {misses} miss(es)")
     print(f"whole demo: {total_s:.0f} s after the imports ({how})", flush=True)
     if png:
-        title = f"kvpass demo: SmolLM2-135M, {n}-token prompt, CPU {nt} thread{'s' * (nt != 1)}"
+        title = f"kvpass demo: SmolLM2-135M, {n}-token prompt{rows}, CPU {nt} thread{'s' * (nt != 1)}"
         write_png(results, png, title)
         print(f"chart: {png}", flush=True)
     if results_md:
-        write_md(results, results_md, png, n, new_tokens, fact_at, f"{total_s:.0f} s ({how})", cache_dir)
+        write_md(results, results_md, png, n, new_tokens, fact_at, f"{total_s:.0f} s ({how})", cache_dir, batch)
         print(f"page: {results_md}", flush=True)
     return 0
 
 
 def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int, fact_at: int,
-             whole: str = "", cache_dir: str | None = None) -> None:
+             whole: str = "", cache_dir: str | None = None, batch: int = 1) -> None:
     """The demo's page: the command as run (``cache_dir``: the ``TORCHINDUCTOR_CACHE_DIR`` it was run
     with), the machine, the table, the chart (relative to the page)."""
     import datetime
@@ -593,7 +599,9 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
         "command below. -->", "",
         f"A fact hidden at token {fact_at} of a {n}-token prompt of Python reference prose, asked for at the "
         f"end; every policy continues from a copy of one exact prefill and decodes {new_tokens} tokens greedily "
-        "through `torch.compile(model.forward, backend=kvpass(policy))` (kvpass/demo.py says how it is timed).", "",
+        + (f"as a batch of {batch} copies of the prompt (as a server decodes several sequences at once; the "
+           "answer is row 0's) " if batch > 1 else "")
+        + "through `torch.compile(model.forward, backend=kvpass(policy))` (kvpass/demo.py says how it is timed).", "",
         "```bash", env + (shlex.join(["kvpass"] + sys.argv[1:]) if Path(sys.argv[0]).name == "kvpass"
                           else "kvpass demo"),
         "```", "",
@@ -601,7 +609,8 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
         f"transformers {m['transformers']}; finished {now} (UTC). Compile + warm-up of the first policy: "
         f"{full.compile_s:.0f} s." + (f" Whole demo after the imports: {whole}." if whole else ""), "",
         _table(results), "",
-        "Decode ms/token: the median interval between the tokens after the first. "
+        "Decode ms/token: the median interval between the tokens after the first"
+        + (f" (a step of the batch, one token for each of its {batch} rows)" if batch > 1 else "") + ". "
         "Speed vs Full: Full's decode ms/token over the policy's, same run. Cache held: the keys, values and "
         "metadata the sites keep, every layer (device and host).", "",
     ]

@@ -104,12 +104,14 @@ def test_steady_decode_step_is_sync_free_and_fixed(one_thread):
     event. And the log can fail: a policy whose selection reads a tensor on the host is caught."""
     model = tiny_llama()
     ids = prompt(48, batch=3)
-    # a left-padded batch (served row by row, kvpass/runtime/rows.py) for the first policy of each kind
-    # that keeps per-batch metadata: the rows' first positions are read where the sequence starts only
+    # a left-padded batch for the first policy of each kind that keeps per-row metadata (served row by
+    # row, kvpass/runtime/rows.py, or in place, Quest): the rows' first positions are read where the
+    # sequence starts only
     from families import left_padded
 
     padded, mask = left_padded([prompt(48, seed=2)[0], prompt(37, seed=3)[0]])
-    split = {type(p) for p in TINY_POLICIES if not p.new_state(SiteInfo(0, 0)).rows_native}
+    split = {type(p) for p in TINY_POLICIES
+             if not (st := p.new_state(SiteInfo(0, 0))).rows_native or st.per_row_metadata}
     groups: dict[str, list] = {}
     for p in TINY_POLICIES:
         groups.setdefault(p.graph_key(), []).append(p)

@@ -305,3 +305,55 @@ def test_top_pages_cpu_errors():
         quest_top_pages_cpu(q, meta, 3, 2, gqa="mean")
     with pytest.raises(ValueError, match="kvpass: quest_top_pages_cpu needs"):
         quest_top_pages_cpu(q.half(), meta, 3, 2)
+
+
+# -- the choice for a left-padded batch (rows that start late), in C -----------------------------------
+@given(
+    b=st.integers(1, 3), h_kv=st.integers(1, 2), g=st.sampled_from([1, 3]), d=st.sampled_from([4, 16]),
+    page=st.sampled_from([1, 2, 4]), length=st.integers(1, 48), budget=st.integers(2, 24),
+    shared=st.booleans(), gqa=st.sampled_from(["sum", "max"]), integral=st.booleans(), seed=SEEDS,
+)
+def test_select_rows_cpu_matches_each_row_alone(b, h_kv, g, d, page, length, budget, shared, gqa, integral,
+                                                seed):
+    """Rows starting at any position (left padding; a mask shared by the batch gives one ``first``): the
+    C choice equals the reference row by row, lists only the row's own positions, always its newest
+    page, every position of a row that fits the budget, and at most the budget's pages otherwise."""
+    from kvpass.kernels.quest import quest_select_cpu, quest_select_ref, quest_select_torch
+
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, length, (1 if shared else b,), generator=gen)
+    pmax = -(-length // page)
+    q, meta = _top_inputs(b, h_kv, g, d, pmax + 1, integral, seed)
+    n = max(budget // page - 1, 0)
+    width = max(n, -(-budget // page) - 1)
+    pages, idx = quest_select_cpu(q, meta, first, length, page, budget, n, width, gqa)
+    rp, ri = quest_select_ref(q, meta, first, length, page, budget, n, width, gqa)
+    assert pages.shape == rp.shape == (b, h_kv, width + 1) and idx.shape == (b, h_kv, (width + 1) * page)
+    if integral:
+        assert torch.equal(pages, rp) and torch.equal(idx, ri)
+    tp, ti = quest_select_torch(q, meta, first, length, page, budget, n, width, gqa)
+    assert torch.equal(tp.sort(-1).values.ne(-1).sum(-1), pages.ne(-1).sum(-1))  # as many pages
+    for bi in range(b):
+        f = int(first.expand(b)[bi])
+        own = length - f
+        for hi in range(h_kv):
+            row = idx[bi, hi][idx[bi, hi] >= 0]
+            assert ((row >= f) & (row < length)).all() and row.unique().numel() == row.numel()
+            assert (length - 1) in row.tolist()  # the newest token's page
+            if own <= budget:
+                assert torch.equal(row.sort().values, torch.arange(f, length))
+            else:
+                assert row.numel() <= (n + 1) * page
+                assert pages[bi, hi].ne(-1).sum() == min(n, -(-own // page) - 1) + 1
+            if integral:
+                assert torch.equal(ti[bi, hi][ti[bi, hi] >= 0].sort().values, row.sort().values)
+
+
+def test_select_rows_cpu_errors():
+    from kvpass.kernels.quest import quest_select_cpu
+
+    q, meta = _top_inputs(2, 1, 3, 8, 5, False, 0)
+    with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs first"):
+        quest_select_cpu(q, meta, torch.zeros(3, dtype=torch.int64), 12, 4, 8, 1, 1)
+    with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs fp32"):
+        quest_select_cpu(q, meta, None, 40, 4, 8, 1, 1)  # 10 pages do not fit meta's 5

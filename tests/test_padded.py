@@ -40,6 +40,44 @@ def selection(st) -> tuple:
     return ("all",) if idx is None else ("idx", idx.clone())
 
 
+def row_selections(st, batch: int) -> list[tuple]:
+    """:func:`selection` of each batch row: the row states of a batch served row by row, or the rows of
+    a state that serves padding in place (Quest), whose positions are shifted to the row's own (its
+    first real token is position 0), as ``("idx", (1, H_kv, N))`` or ``("all", n_tokens)``."""
+    if st.split is not None:
+        return [selection(x) for x in st.split.subs]
+    if not st.pad.padded:
+        return [selection(st)] if batch == 1 else [("batched", selection(st))] * batch
+    batch = st.batch  # beam search hands the criteria more candidates than the cache has rows
+    first = st.pad.first.expand(batch)
+    out = []
+    for b in range(batch):
+        n = st.length - int(first[b])
+        if st.last_idx is None:
+            out.append(("all", n))
+            continue
+        idx = st.last_idx[b : b + 1]
+        out.append(("idx", torch.where(idx >= 0, idx - first[b], -1), n))
+    return out
+
+
+def _same_selection(batched: tuple, alone: tuple) -> bool:
+    """A batch row's selection against the row alone's. A row served in place that fits its budget lists
+    all its own positions where the row alone attends ``"all"``; the lists may carry extra -1 slots."""
+    if batched[0] == "idx" and len(batched) == 3:
+        _, idx, n = batched
+        if alone[0] == "all":
+            return all(torch.equal(r[r >= 0].sort().values, torch.arange(n)) for r in idx.flatten(0, 1))
+        if alone[0] != "idx":
+            return False
+        got, want = idx.flatten(0, 1), alone[1].flatten(0, 1)
+        return got.shape[0] == want.shape[0] and all(
+            torch.equal(g[g >= 0], w[w >= 0]) for g, w in zip(got, want))
+    if batched[0] == "all" and len(batched) == 2:
+        return alone == ("all",)
+    return _same(batched, alone)
+
+
 class Record(StoppingCriteria):
     """After every forward of ``generate``: each site's selection per batch row (never stops)."""
 
@@ -49,8 +87,7 @@ class Record(StoppingCriteria):
     def __call__(self, input_ids, scores, **kw):
         step = {}
         for site, s in sorted(self.backend.runtime.sites.items()):
-            subs = s.split.subs if s.split is not None else [s]
-            step[site] = [selection(x) for x in subs]
+            step[site] = row_selections(s, input_ids.shape[0])
         self.steps.append(step)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
@@ -99,13 +136,20 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
                     torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=1e-4)
                 for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
                     for site in sb:
-                        assert _same(sb[site][i], sa[site][0]), (
+                        assert _same_selection(sb[site][i], sa[site][0]), (
                             f"{name} row {i}, step {step}, site {site}: selection differs")
-                        compressing += sb[site][i][0] != "all"
+                        compressing += sa[site][0][0] != "all"
+                in_place = policy.new_state(be.runtime.info(0)).rows_native
                 for rb, ra in zip(batch_rows, be.report_rows()):
+                    assert rb["rows"][i]["tokens"] == ra["tokens_logical"] == len(r) + NEW - 1
+                    assert rb["rows"][i]["tokens_attended"] == ra["tokens_attended"], f"{name} row {i}"
+                    if in_place:
+                        # one buffer for the batch at the padded length: each row's share, padding included
+                        assert rb["rows"][i]["tokens_held"] == rb["tokens_held"] >= ra["tokens_held"]
+                        assert rb["rows"][i]["device_bytes"] == rb["device_bytes"] // 3
+                        continue
                     for key in ("device_bytes", "host_bytes", "tokens_held"):
                         assert rb["rows"][i][key] == ra[key], f"{name} row {i}: {key} differ from alone"
-                    assert rb["rows"][i]["tokens"] == len(r) + NEW - 1
             assert compressing, f"{name}: no step compressed (the budgets must select)"
             checked.append(name)
     assert sorted(checked) == sorted(SPLIT)

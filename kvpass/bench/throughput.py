@@ -20,8 +20,10 @@ TailorKV(sparse_budget=1024)):
 - **Time**: ``--warmup-steps`` dropped steps (the adoption builds the metadata there), then the median of
   ``--steps`` timed steps; tokens/s = B / the median step. Each graph key is compiled once per thread count
   and warmed up on a short padded batch first.
-- **Bytes**: ``device_bytes`` summed over sites, and per row: a padded batch reports each row's own bytes
-  (``rows`` of the report row); a batch without padding divides by B.
+- **Bytes**: ``device_bytes`` summed over sites, and per row: a padded batch reports each row's bytes
+  (``rows`` of the report row: a row served row by row holds its own; a state that serves the batch in
+  place, Full or Quest, gives each row its share of buffers at the padded length); a batch without
+  padding divides by B.
 - **Agreement with Full**: the share of each row's decoded tokens equal to Full's at the same step of the
   same cell (greedy, so one early difference can change the rest); the prose has no task, so this is the
   accuracy figure of this bench (the task accuracy per policy is ``kvpass bench``'s grid).
@@ -272,9 +274,10 @@ def write_page(rows: list[dict[str, Any]], path: Path, command: str) -> Path:
         f"Machine: {machine.get('cpu_count')} cores, {machine.get('processor')}, {machine.get('platform')}; Python "
         f"{machine.get('python')}, torch {machine.get('torch')}, transformers {machine.get('transformers')}.", "",
         f"Prompt lengths in this run: {lengths[0]} to {lengths[-1]} tokens, left-padded to the longest of each "
-        "batch; the keys and values are prefixes of one exact prefill of prose. Compressing policies serve a "
-        "padded batch row by row (docs/design.md, \"Padding\"). Tokens equal to Full: greedy, at the same "
-        "step of the same cell.", "",
+        "batch; the keys and values are prefixes of one exact prefill of prose. Quest serves a padded batch "
+        "in place, each row's pages starting at its first real token; ClusterKV, CentroidKV and TailorKV serve "
+        "it row by row (docs/design.md, \"Padding\"). Tokens equal to Full: greedy, at the same step of the "
+        "same cell. The cells are one run on a shared machine: a cell moves by up to a quarter between runs.", "",
         "## Results", "", markdown_tables(rows),
     ]
     for p in pngs:

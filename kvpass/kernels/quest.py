@@ -32,6 +32,9 @@ __all__ = [
     "quest_update_minmax_",
     "quest_page_scores",
     "quest_page_scores_ref",
+    "quest_select_cpu",
+    "quest_select_ref",
+    "quest_select_torch",
     "quest_top_pages_cpu",
     "quest_top_pages_ref",
     "quest_top_pages_torch",
@@ -353,19 +356,34 @@ static void sift(cand_t *h, int64_t n, int64_t i) {
     }
 }
 
-/* Per (b, kv head): the Quest bound of pages [0, P) for the query group, the top n of them (ties to
-   the lower page), written in ascending page order, then `newest`. meta rows are [max | min] (2D fp32);
-   gqa_max: the group's bound is the max of its queries' bounds, else their sum. */
-int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
-                           const float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
-                           int64_t *out, int64_t os_b, int64_t os_h, int64_t os_n,
-                           int64_t B, int64_t H, int64_t G, int64_t D, int64_t P, int64_t n, int64_t newest,
-                           int64_t gqa_max) {
-    if (n > P) n = P;
-    cand_t *heap = (cand_t *)malloc(sizeof(cand_t) * (size_t)(n > 0 ? n : 1));
+/* Per (b, kv head) of a decode step at length L: the row's pages start at its first real position f
+   (first[b * fs_b], 0 without `first`), so the row has nb = L - f tokens in ceil(nb / page) pages, the
+   last one (the newest) always taken. The Quest bound of the P = pages - 1 others for the query group,
+   the top k of them (ties to the lower page): k = P where the row fits in `budget` (nb <= budget: every
+   page, as the row alone attends all of it), else min(n, P). Written to `pages` (W + 1 slots): the top
+   k in ascending page order, then the newest, then -1. `idx` (may be NULL, last stride 1): the token
+   positions of those pages in the cache, f + page * page_size + t, -1 past L or for a -1 page. meta rows
+   are [max | min] (2D fp32) in the row's own pages; gqa_max: the group's bound is the max of its
+   queries' bounds, else their sum. */
+int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
+                        const float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
+                        const int64_t *first, int64_t fs_b,
+                        int64_t *pages, int64_t ps_b, int64_t ps_h, int64_t ps_n,
+                        int64_t *idx, int64_t is_b, int64_t is_h,
+                        int64_t B, int64_t H, int64_t G, int64_t D,
+                        int64_t L, int64_t page, int64_t budget, int64_t n, int64_t W, int64_t gqa_max) {
+    int64_t pmax = (L + page - 1) / page;
+    cand_t *heap = (cand_t *)malloc(sizeof(cand_t) * (size_t)(W > 0 ? W : 1));
     float *qq = (float *)malloc(sizeof(float) * (size_t)(2 * D * G));
-    if (!heap || !qq) { free(heap); free(qq); return -1; }
-    for (int64_t b = 0; b < B; b++)
+    char *mark = (char *)malloc((size_t)(pmax > 0 ? pmax : 1));
+    if (!heap || !qq || !mark) { free(heap); free(qq); free(mark); return -1; }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t f = first ? first[b * fs_b] : 0;
+        int64_t nb = L - f;
+        int64_t P = nb > 0 ? (nb + page - 1) / page - 1 : -1;
+        int64_t k = nb <= budget ? P : (n < P ? n : P);
+        if (k > W) k = W;
+        if (k < 0) k = 0;
         for (int64_t h = 0; h < H; h++) {
             const float *qg = q + b * qs_b + h * G * qs_h;
             const float *mp = meta + b * ms_b + h * ms_h;
@@ -380,7 +398,7 @@ int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
                 }
             }
             int64_t filled = 0;
-            for (int64_t p = 0; p < P; p++) {
+            for (int64_t p = 0; p < P && k > 0; p++) {
                 const float *m = mp + p * ms_p;
                 float best = 0.f;
                 for (int64_t g = 0; g < rows; g++) {
@@ -388,44 +406,74 @@ int kvpass_quest_top_pages(const float *q, int64_t qs_b, int64_t qs_h,
                     if (g == 0 || acc > best) best = acc;
                 }
                 cand_t c = {best, p};
-                if (filled < n) {
+                if (filled < k) {
                     heap[filled++] = c;
-                    if (filled == n) for (int64_t i = n / 2 - 1; i >= 0; i--) sift(heap, n, i);
-                } else if (n > 0 && better(c, heap[0])) {
+                    if (filled == k) for (int64_t i = k / 2 - 1; i >= 0; i--) sift(heap, k, i);
+                } else if (better(c, heap[0])) {
                     heap[0] = c;
-                    sift(heap, n, 0);
+                    sift(heap, k, 0);
                 }
             }
             /* ascending pages: a fixed order whatever the scores, and the rows read in order */
-            int64_t *o = out + b * os_b + h * os_h;
-            char *mark = (char *)calloc((size_t)(P > 0 ? P : 1), 1);
-            if (!mark) { free(heap); free(qq); return -1; }
-            for (int64_t i = 0; i < filled; i++) mark[heap[i].p] = 1;
+            int64_t *o = pages + b * ps_b + h * ps_h;
             int64_t j = 0;
-            for (int64_t p = 0; p < P; p++) if (mark[p]) o[(j++) * os_n] = p;
-            free(mark);
-            o[j * os_n] = newest;
+            if (P > 0) {
+                memset(mark, 0, (size_t)P);
+                for (int64_t i = 0; i < filled; i++) mark[heap[i].p] = 1;
+                for (int64_t p = 0; p < P; p++) if (mark[p]) o[(j++) * ps_n] = p;
+            }
+            if (P >= 0) o[(j++) * ps_n] = P;
+            for (; j <= W; j++) o[j * ps_n] = -1;
+            if (idx) {
+                int64_t *x = idx + b * is_b + h * is_h;
+                for (j = 0; j <= W; j++) {
+                    int64_t pg = o[j * ps_n];
+                    for (int64_t t = 0; t < page; t++) {
+                        int64_t pos = f + pg * page + t;
+                        x[j * page + t] = (pg >= 0 && pos < L) ? pos : -1;
+                    }
+                }
+            }
         }
+    }
     free(heap);
     free(qq);
+    free(mark);
     return 0;
 }
 """
 
 
-_TOP_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3 \
-    + [ctypes.c_void_p] + [ctypes.c_int64] * 11
+_TOP_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                 + [ctypes.c_void_p] + [ctypes.c_int64] * 12)
 
 
 def _top_lib():
     from kvpass.kernels import native
 
-    return native.function("quest_top_pages", _TOP_SOURCE, "kvpass_quest_top_pages", _TOP_ARGTYPES)
+    return native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select", _TOP_ARGTYPES)
 
 
 def quest_top_pages_cpu_available() -> bool:
     """Whether :func:`quest_top_pages_cpu` is built (see :mod:`kvpass.kernels.native`)."""
     return _top_lib() is not None
+
+
+def _check_select_args(name, fn, q, meta, scored, n, gqa) -> None:
+    B, H_q, D = q.shape
+    H = meta.shape[1]
+    ok = (fn is not None and q.device.type == meta.device.type == "cpu"
+          and q.dtype == meta.dtype == torch.float32 and meta.dim() == 4 and meta.shape[0] == B
+          and meta.shape[3] == 2 * D and H_q % H == 0 and meta.shape[2] > scored >= 0 and n >= 0
+          and q.stride(2) == 1 and meta.stride(3) == 1 and gqa in ("sum", "max"))
+    if not ok:
+        raise ValueError(
+            f"kvpass: {name} needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) "
+            "with contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q "
+            f"{tuple(q.shape)} {q.dtype}, "
+            f"meta {tuple(meta.shape)} {meta.dtype}, scored={scored}, n={n}, gqa={gqa!r}"
+        )
 
 
 def quest_top_pages_cpu(
@@ -436,28 +484,124 @@ def quest_top_pages_cpu(
     ascending page order, then page ``scored`` (the newest, always taken). q ``(B, H_q, D)`` fp32;
     meta ``(B, H_kv, P_cap, 2D)`` fp32 rows ``[max | min]``, last dim contiguous, ``P_cap > scored``.
     Returns ``(B, H_kv, min(n, scored) + 1)`` int64. Equals :func:`quest_top_pages_ref` up to the
-    rounding of the bounds (a near-tie may rank the other way)."""
+    rounding of the bounds (a near-tie may rank the other way). Every row starts at position 0; see
+    :func:`quest_select_cpu` for rows that start later (a left-padded batch)."""
     fn = _top_lib()
+    _check_select_args("quest_top_pages_cpu", fn, q, meta, scored, n, gqa)
     B, H_q, D = q.shape
     H = meta.shape[1]
-    ok = (fn is not None and q.device.type == meta.device.type == "cpu"
-          and q.dtype == meta.dtype == torch.float32 and meta.dim() == 4 and meta.shape[0] == B and meta.shape[3] == 2 * D and H_q % H == 0
-          and meta.shape[2] > scored >= 0 and n >= 0 and q.stride(2) == 1 and meta.stride(3) == 1
-          and gqa in ("sum", "max"))
-    if not ok:
-        raise ValueError(
-            "kvpass: quest_top_pages_cpu needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) "
-            "with contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q "
-            f"{tuple(q.shape)} {q.dtype}, "
-            f"meta {tuple(meta.shape)} {meta.dtype}, scored={scored}, n={n}, gqa={gqa!r}"
-        )
     k = min(n, scored)
     out = torch.empty((B, H, k + 1), dtype=torch.int64)
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3],
-            out.data_ptr(), *out.stride(), B, H, H_q // H, D, scored, k, scored, int(gqa == "max"))
+    # one page_size-1 "cache" of scored + 1 pages, no budget: every row scores `scored` pages
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3], None, 0,
+            out.data_ptr(), *out.stride(), None, 0, 0, B, H, H_q // H, D, scored + 1, 1, -1, k, k,
+            int(gqa == "max"))
     if rc != 0:
         raise MemoryError("kvpass: quest_top_pages_cpu could not allocate its scratch")
     return out
+
+
+def quest_select_cpu(
+    q: torch.Tensor, meta: torch.Tensor, first: torch.Tensor | None, length: int, page_size: int,
+    budget: int, n: int, width: int, gqa: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Quest decode step's choice for a batch whose rows may start late (left padding), in C.
+
+    Row ``b`` holds the cache positions ``[f_b, length)`` (``first (B,)`` or ``(1,)`` int64 CPU, or None:
+    every ``f_b`` is 0), cut into its own pages of ``page_size`` from ``f_b``, so its pages are the ones
+    the prompt alone has. The newest page is always taken; of the others the row takes all where its
+    ``length - f_b`` tokens fit in ``budget`` (alone it attends them all), else the top ``n`` by the
+    query group's bound (ties to the lower page). ``meta (B, H_kv, P_cap, 2D)`` holds each row's pages
+    from its page 0; ``P_cap >= ceil(length / page_size)``. ``width``: the most top pages a row takes.
+
+    Returns ``pages (B, H_kv, width + 1)``, each row's top pages ascending, then its newest, then -1,
+    and ``idx (B, H_kv, (width + 1) * page_size)``, their token positions in the cache (-1 past
+    ``length`` and for -1 pages): what the attention reads. Equals :func:`quest_select_ref` up to
+    the rounding of the bounds."""
+    fn = _top_lib()
+    pmax = -(-length // page_size)
+    _check_select_args("quest_select_cpu", fn, q, meta, max(pmax - 1, 0), n, gqa)
+    B, H_q, D = q.shape
+    H = meta.shape[1]
+    if first is not None:
+        if not (first.dtype == torch.int64 and first.device.type == "cpu" and first.dim() == 1
+                and first.shape[0] in (1, B)):
+            raise ValueError(f"kvpass: quest_select_cpu needs first (B,) or (1,) int64 on CPU, got "
+                             f"{tuple(first.shape)} {first.dtype}")
+    pages = torch.empty((B, H, width + 1), dtype=torch.int64)
+    idx = torch.empty((B, H, (width + 1) * page_size), dtype=torch.int64)
+    fs = 0 if first is None or first.shape[0] == 1 else first.stride(0)
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3],
+            None if first is None else first.data_ptr(), fs, pages.data_ptr(), *pages.stride(),
+            idx.data_ptr(), *idx.stride()[:2], B, H, H_q // H, D, length, page_size, budget, n, width,
+            int(gqa == "max"))
+    if rc != 0:
+        raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
+    return pages, idx
+
+
+def _pages_to_idx(pages: torch.Tensor, first: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Token positions ``(B, H, N * page_size)`` of ``pages (B, H, N)`` of rows starting at ``first (B,)``."""
+    pos = (first[:, None, None, None] + pages[..., None] * page_size
+           + torch.arange(page_size, device=pages.device)).flatten(-2)
+    ok = (pages >= 0).repeat_interleave(page_size, dim=-1) & (pos < length)
+    return torch.where(ok, pos, -1)
+
+
+def _row_budget(first: torch.Tensor | None, batch: int, length: int, page_size: int, budget: int, n: int,
+                device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: first position, scored pages (all but the newest) and pages taken (B,) int64."""
+    f = (torch.zeros(batch, dtype=torch.int64, device=device) if first is None
+         else first.to(device=device, dtype=torch.int64).expand(batch))
+    nb = length - f
+    scored = torch.where(nb > 0, (nb + page_size - 1) // page_size - 1, -1)
+    k = torch.where(nb <= budget, scored, scored.clamp(max=n)).clamp(min=0)
+    return f, scored, k
+
+
+def quest_select_ref(
+    q: torch.Tensor, meta: torch.Tensor, first: torch.Tensor | None, length: int, page_size: int,
+    budget: int, n: int, width: int, gqa: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch :func:`quest_select_cpu`, row by row through :func:`quest_top_pages_ref` (each row as
+    alone: its own pages scored, its own count taken)."""
+    B, H = q.shape[0], meta.shape[1]
+    f, scored, k = _row_budget(first, B, length, page_size, budget, n, q.device)
+    pages = torch.full((B, H, width + 1), -1, dtype=torch.int64)
+    for b in range(B):
+        if int(scored[b]) < 0:
+            continue
+        row = quest_top_pages_ref(q[b : b + 1], meta[b : b + 1], int(scored[b]), min(int(k[b]), width), gqa)
+        pages[b, :, : row.shape[-1]] = row[0]
+    return pages, _pages_to_idx(pages, f.cpu(), length, page_size)
+
+
+def quest_select_torch(
+    q: torch.Tensor, meta: torch.Tensor, first: torch.Tensor | None, length: int, page_size: int,
+    budget: int, n: int, width: int, gqa: str = "sum",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quest_select_cpu` in torch ops (any device, no host sync): pages past a row's own are
+    scored ``-inf``, the ``width`` best taken in descending order and those past the row's count
+    dropped (-1). The same pages as there; the top pages come unordered (ties as torch breaks them)."""
+    B, H_q, D = q.shape
+    H = meta.shape[1]
+    f, scored, k = _row_budget(first, B, length, page_size, budget, n, q.device)
+    pmax = max(-(-length // page_size) - 1, 0)
+    qg = q.reshape(B, H, H_q // H, D).float()
+    qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
+    m = meta[:, :, :pmax]
+    if gqa == "sum":
+        scores = torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0]
+    else:
+        scores = torch.matmul(qq, m.transpose(-1, -2)).amax(2)
+    pos = torch.arange(pmax, device=q.device)
+    scores = scores.masked_fill(pos >= scored[:, None, None], float("-inf"))
+    w = min(width, pmax)
+    top = scores.topk(w, dim=-1, sorted=True).indices
+    top = torch.where(torch.arange(w, device=q.device) < k[:, None, None], top, -1)
+    fill = top.new_full((B, H, width - w), -1)
+    pages = torch.cat([top, scored[:, None, None].expand(B, H, 1), fill], dim=-1)
+    return pages, _pages_to_idx(pages, f, length, page_size)
 
 
 def quest_top_pages_ref(

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvpass.runtime.state import SiteState
 
 
-def _first_positions(valid: torch.Tensor, batch: int, where: str) -> list[int]:
+def first_positions(valid: torch.Tensor, batch: int, where: str) -> list[int]:
     """Each row's first real position from ``valid (B', L)`` (B' is 1 for a mask shared by the batch).
     Raises a KVPassError unless every row is left-padded: padding, then only real tokens."""
     valid = valid.expand(batch, -1)
@@ -237,7 +237,7 @@ def run_owned(st: SiteState, q, k_new, v_new, past_k, past_v, attn_mask, scale, 
             f"kvpass: padding appeared in the attention mask of a sequence that started without it "
             f"({st.policy.name}, {past} cached tokens); pass the whole padded prompt in the first forward"
         )
-    first = _first_positions(valid, q.shape[0], "in its prefill")
+    first = first_positions(valid, q.shape[0], "in its prefill")
     _start(st, first, past)
     return st.split.forward_owned(q, k_new, v_new, attn_mask, scale, is_causal,
                                   adopt=(past_k, past_v) if past else None)
@@ -253,7 +253,7 @@ def run(st: SiteState, call: AttentionCall, static: bool) -> torch.Tensor:
     if valid is None:
         st.split = None
         return st.forward(call, static=static)
-    _start(st, _first_positions(valid, call.q.shape[0], "in its first forward"), call.past)
+    _start(st, first_positions(valid, call.q.shape[0], "in its first forward"), call.past)
     st.tail_key = call.k[:, :, call.length - 1].clone()
     return st.split.forward(call, static)
 

@@ -54,14 +54,20 @@ class QuestState(SiteState):
     """Quest: per page of ``page_size`` tokens the channel-wise max and min key, kept as one fp32
     buffer ``meta (B, H_kv, P_cap, 2D)`` = [max | min] (grown by doubling), so that a page's bound
     ``sum_d max(q_d max_d, q_d min_d) = relu(q)·max + min(q, 0)·min`` is one product with
-    ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata)."""
+    ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata).
 
-    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+    A left-padded batch is served in place (``rows_native``): row ``b``'s pages start at its first real
+    position ``f_b`` (``pad.first``), so ``meta[b, :, p]`` covers cache positions ``[f_b + p * page_size,
+    f_b + (p + 1) * page_size)``, the pages of the prompt alone, and the row's budget counts its own
+    tokens only (:func:`kvpass.kernels.quest.quest_select_cpu`). Padding is never in a page."""
+
+    per_row_metadata = True
 
     def reset(self) -> None:
         super().reset()
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
+        self._rows: torch.Tensor | None = None  # arange(B), for the padded decode step's page update
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -84,7 +90,9 @@ class QuestState(SiteState):
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
-        if call.start == 0:
+        if self.pad.padded:
+            self._observe_rows(call)
+        elif call.start == 0:
             lo, hi = quest_page_minmax_ref(call.k_logical, ps)
             kmin[:, :, :pages] = lo
             kmax[:, :, :pages] = hi
@@ -100,6 +108,40 @@ class QuestState(SiteState):
         else:
             quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
 
+    def _observe_rows(self, call: AttentionCall) -> None:
+        """:meth:`observe` for a left-padded batch: each row's tokens go to its own pages."""
+        from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
+        from kvpass.runtime.rows import first_positions
+
+        ps, d, batch = self.policy.page_size, call.k.shape[3], call.k.shape[0]
+        kmax, kmin = self.meta[..., :d], self.meta[..., d:]
+        if call.new_tokens == 1 and call.start > 0:
+            # a steady step: row b's new token (cache position L - 1) is in its page (L - 1 - f_b) // ps;
+            # one gather and one scatter of a page per row, the same ops every step, no host read
+            if self._rows is None or self._rows.shape[0] != batch:
+                self._rows = torch.arange(batch, device=call.k.device)
+            p = (call.start - self.pad.first.expand(batch)) // ps
+            page = self.meta[self._rows, :, p]  # (B, H_kv, 2D)
+            k_new = call.k[:, :, call.start].float()
+            self.meta[self._rows, :, p] = torch.cat(
+                [torch.maximum(page[..., :d], k_new), torch.minimum(page[..., d:], k_new)], dim=-1)
+            return
+        # an event (prefill, chunk, adopted cache): the mask is read, rows one by one
+        first = first_positions(call.valid, batch, "in its prefill")
+        if call.start == 0:
+            _unopened(self.meta)
+        for b, f in enumerate(first):
+            s = max(call.start, f)
+            if s >= call.length:
+                continue
+            if s == f:
+                lo, hi = quest_page_minmax_ref(call.k[b : b + 1, :, f : call.length], ps)
+                kmin[b : b + 1, :, : lo.shape[2]] = lo
+                kmax[b : b + 1, :, : hi.shape[2]] = hi
+            else:
+                quest_update_minmax_(kmin[b : b + 1], kmax[b : b + 1], call.k[b : b + 1, :, s : call.length],
+                                     s - f, ps)
+
     def reorder_rows(self, rows: torch.Tensor) -> None:
         super().reorder_rows(rows)
         if self.meta is not None:
@@ -108,7 +150,7 @@ class QuestState(SiteState):
 
     def page_scores(self, call: AttentionCall, pages: int) -> torch.Tensor:
         """(B, H_kv, pages) upper bounds of the query group's q·k per page, on CUDA (the Triton scorer;
-        the CPU paths score and choose in one call: :func:`kvpass.kernels.quest.quest_top_pages_cpu`, or
+        the CPU paths score and choose in one call: :func:`kvpass.kernels.quest.quest_select_cpu`, or
         :func:`~kvpass.kernels.quest.quest_top_pages_torch` where C is not built)."""
         from kvpass.lowering.dispatch import quest_scores
 
@@ -125,18 +167,28 @@ class QuestState(SiteState):
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
-        if length <= budget:
+        if length - self.pad.first_min <= budget:
             self.pages = None
-            return None
+            return None  # every row fits in the budget: exact attention, as each alone
         pages = -(-length // ps)
-        n_pages = min(budget // ps - 1, pages - 1)
         q = call.q[:, :, 0]
-        if self._top_in_c(q):
-            # scoring and the top pages in one C call (ascending pages, then the newest)
-            from kvpass.kernels.quest import quest_top_pages_cpu
+        n = budget // ps - 1
+        if self.pad.padded:
+            # rows of different lengths: a row that fits in the budget takes all its pages
+            from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
-            self.pages = quest_top_pages_cpu(q, self.meta, pages - 1, n_pages, self.policy.gqa)
-        elif not q.is_cuda:
+            select = quest_select_cpu if self._top_in_c(q) else quest_select_torch
+            self.pages, idx = select(q, self.meta, self.pad.first, length, ps, budget, n,
+                                     max(n, -(-budget // ps) - 1), self.policy.gqa)
+            return idx
+        n_pages = min(n, pages - 1)
+        if self._top_in_c(q):
+            # scoring, the top pages (ascending, then the newest) and their token positions in one C call
+            from kvpass.kernels.quest import quest_select_cpu
+
+            self.pages, idx = quest_select_cpu(q, self.meta, None, length, ps, budget, n, n_pages, self.policy.gqa)
+            return idx
+        if not q.is_cuda:
             from kvpass.kernels.quest import quest_top_pages_torch
 
             self.pages = quest_top_pages_torch(q, self.meta, pages - 1, n_pages, self.policy.gqa)
@@ -149,12 +201,14 @@ class QuestState(SiteState):
         return torch.where(idx < length, idx, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
-        out = self.attend_listed_in_c(call, idx)  # select()'s token list, read in place
+        # select()'s token list, read in place; it lists no padding, so a padded batch is served too
+        out = self.attend_listed_in_c(call, idx, lists_padding=False)
         if out is not None:
             return out
         store = self.store
         paged = (
             not call.q.is_cuda
+            and call.valid is None  # the paged path counts pages from position 0
             and store.k is not None
             and call.k.data_ptr() == store.k.data_ptr()  # the owned store, not the model's cache
             and store.k.shape[2] % self.policy.page_size == 0

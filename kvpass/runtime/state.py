@@ -295,6 +295,8 @@ class SiteState:
     then serves a padded batch with one state per row (:mod:`kvpass.runtime.rows`)."""
 
     rows_native = True  # serves a left-padded batch itself (exact attention and StreamingLLM mask padding)
+    # keeps metadata per batch row (Quest's pages): a reorder of a cache the model keeps must be caught
+    per_row_metadata = False
     checks_kept = True  # check_rows_kept on a model-kept cache; False for a row state (its split checks the batch)
 
     def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
@@ -418,7 +420,7 @@ class SiteState:
             self.static_ptr = ptr
         if call.start == 0:
             self.reset()
-        if not owned and not self.rows_native and self.checks_kept:
+        if not owned and (self.per_row_metadata or not self.rows_native) and self.checks_kept:
             check_rows_kept(self, call)
         event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
         call.valid = self.pad.valid(call.attn_mask, call.length, event)
@@ -482,14 +484,15 @@ class SiteState:
         )
         return out.unsqueeze(2)
 
-    def attend_listed_in_c(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor | None:
+    def attend_listed_in_c(self, call: AttentionCall, idx: torch.Tensor, lists_padding: bool = True) -> torch.Tensor | None:
         """(B, H_q, 1, D) attention over ``idx`` (B, H_kv, N) int64 read in place by the C kernel
-        (:mod:`kvpass.kernels.cpu_decode`), or None where it cannot serve the step (padding, another
-        device or dtype, the kernel not built): the caller then takes its torch path."""
+        (:mod:`kvpass.kernels.cpu_decode`), or None where it cannot serve the step (padding that ``idx``
+        may list, another device or dtype, the kernel not built): the caller then takes its torch path.
+        ``lists_padding=False``: the selection never lists a padding position, so padding needs no mask."""
         from kvpass.kernels import cpu_decode
 
         q, k, v = call.q[:, :, 0], call.k_logical, call.v_logical
-        if call.valid is not None or not cpu_decode.supports(q, k, v):
+        if (lists_padding and call.valid is not None) or not cpu_decode.supports(q, k, v):
             return None
         return cpu_decode.cpu_decode_attention(q, k, v, idx, call.scale).unsqueeze(2)
 
@@ -576,7 +579,22 @@ class SiteState:
         if self.split is not None:
             return self.split.row(base)
         base["device_bytes_per_row"] = base["device_bytes"] // max(1, self.batch)
+        if self.pad.padded and self.pad.first is not None:
+            base["rows"] = self._padded_rows(base)
         return base
+
+    def _padded_rows(self, base: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each row of a left-padded batch served in place: its own tokens and the tokens it attended
+        (its selection, or all of its own), and its share of the bytes: the batch's buffers hold every
+        row at the padded length, padding included."""
+        first = [int(f) for f in self.pad.first.expand(self.batch).tolist()]
+        attended = None
+        if self.last_idx is not None and self.last_idx.shape[0] == self.batch:
+            attended = (self.last_idx >= 0).sum(-1).float().mean(-1).round().long().tolist()
+        return [{"first": f, "tokens": self.length - f, "tokens_held": self.physical,
+                 "tokens_attended": self.length - f if attended is None else attended[b],
+                 "device_bytes": base["device_bytes"] // self.batch, "host_bytes": base["host_bytes"] // self.batch}
+                for b, f in enumerate(first)]
 
     def _row(self) -> dict[str, Any]:
         return {

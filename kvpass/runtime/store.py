@@ -263,15 +263,18 @@ class OwnedKV:
             cap = max(need, int(self.k.shape[2] * self.GROWTH))
         b, h, _, dk = like_k.shape
         cap = -(-cap // 64) * 64  # whole pages for page-granular policies (page sizes dividing 64)
-        # zeros, not empty: page-granular gathers read the unwritten tail of the last page (masked,
-        # but 0 * NaN would still be NaN)
         if self.host:
             pin = torch.cuda.is_available()
-            k = torch.zeros((b, h, cap, dk), dtype=like_k.dtype, pin_memory=pin)
-            v = torch.zeros((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=pin)
+            k = torch.empty((b, h, cap, dk), dtype=like_k.dtype, pin_memory=pin)
+            v = torch.empty((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=pin)
         else:
-            k = like_k.new_zeros((b, h, cap, dk))
-            v = like_v.new_zeros((b, h, cap, like_v.shape[3]))
+            k = like_k.new_empty((b, h, cap, dk))
+            v = like_v.new_empty((b, h, cap, like_v.shape[3]))
+        # the caller writes slots [0, need) next (the old ones are copied here); the rest is zeroed, not
+        # left empty: page-granular gathers read the unwritten tail of the last page (masked, but 0 * NaN
+        # would still be NaN). Zeroing only the tail touches each page of a large adopted cache once.
+        k[:, :, need:].zero_()
+        v[:, :, need:].zero_()
         if self.k is not None and self.length and self.k.shape[:2] == like_k.shape[:2]:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
