@@ -583,17 +583,10 @@ def quest_select_torch(
     """:func:`quest_select_cpu` in torch ops (any device, no host sync): pages past a row's own are
     scored ``-inf``, the ``width`` best taken in descending order and those past the row's count
     dropped (-1). The same pages as there; the top pages come unordered (ties as torch breaks them)."""
-    B, H_q, D = q.shape
-    H = meta.shape[1]
+    B, H = q.shape[0], meta.shape[1]
     f, scored, k = _row_budget(first, B, length, page_size, budget, n, q.device)
     pmax = max(-(-length // page_size) - 1, 0)
-    qg = q.reshape(B, H, H_q // H, D).float()
-    qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
-    m = meta[:, :, :pmax]
-    if gqa == "sum":
-        scores = torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0]
-    else:
-        scores = torch.matmul(qq, m.transpose(-1, -2)).amax(2)
+    scores = _group_bounds(q, meta, pmax, gqa)
     pos = torch.arange(pmax, device=q.device)
     scores = scores.masked_fill(pos >= scored[:, None, None], float("-inf"))
     w = min(width, pmax)
@@ -626,14 +619,19 @@ def quest_top_pages_torch(
     group's bounds as one product (for ``gqa="sum"`` the summed ``[relu(q) | min(q, 0)]`` as a row
     times ``meta^T``, about 3.6x faster on CPU than ``meta @ q``), ``topk`` (unordered; ties as torch
     breaks them), then the newest page. Shapes as there."""
+    B, H = q.shape[0], meta.shape[1]
+    top = _group_bounds(q, meta, scored, gqa).topk(min(n, scored), dim=-1, sorted=False).indices
+    return torch.cat([top, top.new_full((B, H, 1), scored)], dim=-1)
+
+
+def _group_bounds(q: torch.Tensor, meta: torch.Tensor, pages: int, gqa: str) -> torch.Tensor:
+    """(B, H_kv, pages) fp32 bounds of pages ``[0, pages)`` for the query group of each KV head: one
+    product (for ``gqa="sum"`` the summed ``[relu(q) | min(q, 0)]`` as a row times ``meta^T``)."""
     B, H_q, D = q.shape
     H = meta.shape[1]
     qg = q.reshape(B, H, H_q // H, D).float()
     qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
-    m = meta[:, :, :scored]
+    m = meta[:, :, :pages]
     if gqa == "sum":
-        scores = torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0]
-    else:
-        scores = torch.matmul(qq, m.transpose(-1, -2)).amax(2)
-    top = scores.topk(min(n, scored), dim=-1, sorted=False).indices
-    return torch.cat([top, top.new_full((B, H, 1), scored)], dim=-1)
+        return torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0]
+    return torch.matmul(qq, m.transpose(-1, -2)).amax(2)
