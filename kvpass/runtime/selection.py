@@ -173,20 +173,16 @@ class QuestState(SiteState):
         pages = -(-length // ps)
         q = call.q[:, :, 0]
         n = budget // ps - 1
-        if self.pad.padded:
-            # rows of different lengths: a row that fits in the budget takes all its pages
+        padded = self.pad.padded
+        # padded rows differ in length: a row that fits in the budget takes all its pages
+        n_pages = max(n, -(-budget // ps) - 1) if padded else min(n, pages - 1)
+        if padded or self._top_in_c(q):
+            # scoring, the top pages (ascending, then the newest) and their token positions in one C call
             from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
             select = quest_select_cpu if self._top_in_c(q) else quest_select_torch
-            self.pages, idx = select(q, self.meta, self.pad.first, length, ps, budget, n,
-                                     max(n, -(-budget // ps) - 1), self.policy.gqa)
-            return idx
-        n_pages = min(n, pages - 1)
-        if self._top_in_c(q):
-            # scoring, the top pages (ascending, then the newest) and their token positions in one C call
-            from kvpass.kernels.quest import quest_select_cpu
-
-            self.pages, idx = quest_select_cpu(q, self.meta, None, length, ps, budget, n, n_pages, self.policy.gqa)
+            self.pages, idx = select(q, self.meta, self.pad.first if padded else None, length, ps, budget, n,
+                                     n_pages, self.policy.gqa)
             return idx
         if not q.is_cuda:
             from kvpass.kernels.quest import quest_top_pages_torch

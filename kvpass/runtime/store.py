@@ -278,6 +278,9 @@ class OwnedKV:
         if self.k is not None and self.length and self.k.shape[:2] == like_k.shape[:2]:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
+        elif self.length:  # old slots not carried over (other rows or heads): zeros, as before, not garbage
+            k[:, :, : self.length].zero_()
+            v[:, :, : self.length].zero_()
         self.k, self.v = k, v
 
     def append(
