@@ -67,3 +67,42 @@ def test_page(run, tmp_path):
     text = page.read_text()
     assert "kvpass bench --throughput --model tiny" in text and "| Quest" in text
     assert (tmp_path / "throughput" / "throughput_1t.png").stat().st_size > 0
+
+
+def test_task_rows_are_scored_and_full_rows_equal_each_sample_alone(tmp_path):
+    """``--task``: each row of a padded batch is a sample of the task, prefilled on its own and decoded for
+    the task's answer length. Full's rows give the eager model's greedy answer to each sample alone, and
+    every row's accuracy is the task's score of its answer (samples rebuilt here from their seeds)."""
+    from kvpass.bench.runner import default_new_tokens
+    from kvpass.bench.tasks import make_sample, score
+    from kvpass.bench.timing import answer_text
+    from kvpass.models import chat_prompt, load_smollm2
+
+    _, tok = load_smollm2(progress=False)
+    model = tiny_model(len(tok))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = tp.run_throughput(model, tok, [Quest(budget=64, page_size=16)], [1, 2], 200, 300, tmp_path,
+                                 threads=[1], steps=3, warmup_steps=2, model_name="tiny", progress=False,
+                                 task="single_needle", seed=5)
+    finally:
+        torch.set_num_threads(n)
+    overhead = len(tok(chat_prompt(tok, ""), add_special_tokens=False)["input_ids"])
+    new = default_new_tokens("single_needle")
+    for r in rows:
+        assert r["task"] == "single_needle" and r["steps"] == new - 1 - 2
+        wanted = tp.row_lengths(r["batch"], 200, 300)
+        assert len(r["accuracy"]) == len(r["outputs"]) == r["batch"]
+        for i, want in enumerate(wanted):
+            sample = make_sample("single_needle", tok, want - overhead, 5 + want)
+            ids = tok(chat_prompt(tok, sample.prompt), return_tensors="pt", add_special_tokens=False)["input_ids"]
+            assert r["lengths"][i] == ids.shape[1] <= want
+            assert r["accuracy"][i] == score(sample, r["outputs"][i])
+            if r["policy"] == "Full()":
+                with torch.no_grad():
+                    alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                           min_new_tokens=new, do_sample=False)
+                assert r["outputs"][i] == answer_text(tok, alone[0, ids.shape[1]:].tolist()), (r["batch"], i)
+    page = tp.write_page(rows, tmp_path / "t.md", "kvpass bench --throughput --task single_needle")
+    assert "single_needle accuracy" in page.read_text()

@@ -155,3 +155,26 @@ def test_page_has_command_tables_plots_and_the_window_note(run, tmp_path):
     for name in ("tiny_ms_vs_context.png", "tiny_ms_vs_batch.png", "tiny_breakdown.png"):
         assert (tmp_path / "docs" / "decode-cost" / name).stat().st_size > 0
         assert f"decode-cost/{name}" in text
+
+
+def test_floor_interpolates_between_measured_contexts():
+    """F(N, B) for a policy attending N tokens per site: Full's ms/token between the two measured contexts
+    that bracket N (linear in N), the nearest measured context outside them or within 2 % of one, always at
+    the row's own batch and threads."""
+    def full(ctx, ms, batch=1, threads=1):
+        return {"policy": "Full()", "context": ctx, "batch": batch, "threads": threads, "model": "m",
+                "ms_per_token": ms}
+
+    rows = [full(1024, 100.0), full(4096, 160.0), full(8192, 400.0), full(1024, 7.0, batch=8),
+            full(1024, 9.0, threads=2)]
+
+    def row(n):
+        return {"policy": "P", "context": 8192, "batch": 1, "threads": 1, "model": "m", "attended_per_site": n}
+
+    assert dc.floor_of(row(1024), rows) == (100.0, "1024")
+    assert dc.floor_of(row(1017), rows) == (100.0, "1024")  # below the smallest context
+    ms, where = dc.floor_of(row(1792), rows)  # a quarter of the way from 1024 to 4096
+    assert ms == pytest.approx(115.0) and where == "1792: 1024-4096"
+    assert dc.floor_of(row(6144), rows)[0] == pytest.approx(280.0)
+    assert dc.floor_of(row(20000), rows) == (400.0, "8192")
+    assert dc.floor_of({**row(1024), "batch": 2}, rows) == (None, None)

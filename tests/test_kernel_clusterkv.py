@@ -23,6 +23,10 @@ from kvpass.kernels.clusterkv import (
     select_clusters_cpu,
     select_clusters_cpu_available,
     select_clusters_ref,
+    cluster_scores,
+    cluster_select_cpu,
+    cluster_select_cpu_available,
+    cluster_select_torch,
 )
 from strategies import DTYPES, HEAD_DIMS, LAYOUTS, SEEDS, make_strided
 
@@ -645,3 +649,119 @@ def test_select_errors(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="kvpass: select_clusters needs Triton"):
         select_clusters(scores, sizes, offsets, order, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# A decode step's whole list (sinks, recalled clusters, recent tokens; rows of a padded batch)
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def step_problems(draw):
+    B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    C = draw(st.integers(0, 10))
+    n_sinks, n_recent, cluster_budget = draw(st.integers(0, 4)), draw(st.integers(0, 6)), draw(st.integers(0, 24))
+    first = draw(st.sampled_from(["none", "shared", "rows"]))
+    return {
+        "B": B, "H": H, "G": G, "D": draw(st.sampled_from([4, 16])), "C": C,
+        "sizes": draw(st.lists(st.integers(0, 5), min_size=B * H * C, max_size=B * H * C)),
+        "gap": draw(st.integers(0, 3)),  # order slots no cluster covers (a padded row's tail of -1)
+        "first": first,
+        "firsts": draw(st.lists(st.integers(0, 12), min_size=B, max_size=B)),
+        "extra": draw(st.integers(0, 40)),
+        "n_sinks": n_sinks, "n_recent": n_recent, "cluster_budget": cluster_budget,
+        "cover": draw(st.sampled_from([-1, n_sinks + cluster_budget + n_recent])),
+        "gqa": draw(st.sampled_from(["sum", "max"])),
+        "nan": draw(st.booleans()),
+        "seed": draw(SEEDS),
+    }
+
+
+def make_step_inputs(p):
+    """Integer-valued q and centroids: every score is exact in fp32 whatever order the products are
+    added in, so the C path, the torch path and the oracle rank the same ties the same way."""
+    B, H, G, D, C = p["B"], p["H"], p["G"], p["D"], p["C"]
+    gen = torch.Generator().manual_seed(p["seed"])
+    q = torch.randint(-2, 3, (B, H * G, D), generator=gen).float()
+    centroids = torch.randint(-2, 3, (B, H, C, D), generator=gen).float()
+    sizes = torch.tensor(p["sizes"], dtype=torch.int64).view(B, H, C)
+    offsets = torch.nn.functional.pad(sizes.cumsum(-1), (1, 0))
+    n = int(sizes.sum(-1).max()) if C else 0
+    order = torch.full((B, H, n + p["gap"]), -1, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            m = int(sizes[b, h].sum())
+            order[b, h, :m] = torch.randperm(max(m, 1), generator=gen)[:m] + 100
+    if p["first"] == "none":
+        first = None
+    elif p["first"] == "shared":
+        first = torch.tensor(p["firsts"][:1], dtype=torch.int64)
+    else:
+        first = torch.tensor(p["firsts"], dtype=torch.int64)
+    length = 100 + n + p["extra"]
+    return q, centroids, sizes, offsets, order, first, length
+
+
+def naive_step(q, centroids, sizes, offsets, order, first, length, n_sinks, cluster_budget, n_recent, cover, width,
+               gqa, scores=None):
+    """Python loops: each (row, head)'s list as the method states it."""
+    B, H, C, D = centroids.shape
+    G = q.shape[1] // H
+    out = torch.full((B, H, width), -1, dtype=torch.int64)
+    for b in range(B):
+        f = 0 if first is None else int(first[min(b, first.shape[0] - 1)])
+        for h in range(H):
+            if cover >= 0 and length - f <= cover:
+                row = list(range(f, min(length, f + width)))
+            else:
+                ranked = []
+                for c in range(C):
+                    if scores is not None:
+                        s = float(scores[b, h, c])
+                    else:
+                        per = [sum(float(q[b, h * G + g, d]) * float(centroids[b, h, c, d]) for d in range(D))
+                               for g in range(G)]
+                        s = sum(per) if gqa == "sum" else max(per)
+                    if sizes[b, h, c] > 0 and s > float("-inf"):
+                        ranked.append((-s, c))
+                picked = []
+                for _, c in sorted(ranked):
+                    lo = int(offsets[b, h, c])
+                    picked += order[b, h, lo : lo + int(sizes[b, h, c])].tolist()
+                picked = (picked + [-1] * cluster_budget)[:cluster_budget]
+                row = [f + t for t in range(n_sinks)] + picked + list(range(length - n_recent, length))
+            out[b, h, : len(row)] = torch.tensor(row[:width], dtype=torch.int64)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=step_problems())
+def test_step_selection_c_and_torch_match_the_oracle(p):
+    """cluster_select_cpu and cluster_select_torch against Python loops: any first positions (None, one for
+    the batch, one per row), covered rows, empty clusters, order slots no cluster covers, ties (integer
+    scores), NaN scores, both gqa modes, a cluster budget larger than the clusters hold."""
+    q, centroids, sizes, offsets, order, first, length = make_step_inputs(p)
+    scores = None
+    if p["nan"] and p["C"]:  # a NaN score is never chosen (as select_clusters)
+        centroids[..., 0, 0] = float("nan")
+        scores = cluster_scores(q, centroids, p["gqa"])
+    width = p["n_sinks"] + p["cluster_budget"] + p["n_recent"] + (p["cover"] > 0) * 3
+    args = (q, centroids, sizes, offsets, order, first, length, p["n_sinks"], p["cluster_budget"], p["n_recent"],
+            p["cover"], width, p["gqa"])
+    want = naive_step(*args, scores=scores)
+    assert torch.equal(cluster_select_torch(*args), want)
+    assert cluster_select_cpu_available()
+    assert torch.equal(cluster_select_cpu(*args), want)
+
+
+def test_step_selection_cpu_refuses_what_it_cannot_read():
+    q, c = torch.zeros(1, 4, 8), torch.zeros(1, 2, 3, 8)
+    sizes, offsets, order = torch.ones(1, 2, 3, dtype=torch.int64), torch.zeros(1, 2, 4, dtype=torch.int64), \
+        torch.zeros(1, 2, 3, dtype=torch.int64)
+    for bad in ({"q": q.double()}, {"sizes": sizes.int()}, {"offsets": offsets[..., :3]},
+                {"gqa": "mean"}, {"first": torch.zeros(2, dtype=torch.int64)}):
+        a = {"q": q, "centroids": c, "sizes": sizes, "offsets": offsets, "order": order, "first": None, "gqa": "sum"}
+        a.update(bad)
+        with pytest.raises(ValueError, match="cluster_select_cpu needs"):
+            cluster_select_cpu(a["q"], a["centroids"], a["sizes"], a["offsets"], a["order"], a["first"], 10, 1, 2, 1,
+                               -1, 4, a["gqa"])

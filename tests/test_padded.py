@@ -124,6 +124,9 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
             be, fwd = padded_compiled.forward(policy)
             out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
             batch_rows = be.report_rows()
+            in_place = {site: s.split is None for site, s in be.runtime.sites.items()}  # else row by row
+            if name in ("Quest", "ClusterKV"):
+                assert all(in_place.values()), f"{name} serves a batch whose rows all cluster in place"
             assert all(len(r["rows"]) == 3 for r in batch_rows), f"{name}: every site reports each batch row"
             assert all(r["device_bytes_per_row"] == max(x["device_bytes"] for x in r["rows"])
                        for r in batch_rows)
@@ -139,11 +142,10 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
                         assert _same_selection(sb[site][i], sa[site][0]), (
                             f"{name} row {i}, step {step}, site {site}: selection differs")
                         compressing += sa[site][0][0] != "all"
-                in_place = policy.new_state(be.runtime.info(0)).rows_native
                 for rb, ra in zip(batch_rows, be.report_rows()):
                     assert rb["rows"][i]["tokens"] == ra["tokens_logical"] == len(r) + NEW - 1
                     assert rb["rows"][i]["tokens_attended"] == ra["tokens_attended"], f"{name} row {i}"
-                    if in_place:
+                    if in_place[rb["site"]]:
                         # one buffer for the batch at the padded length: each row's share, padding included
                         assert rb["rows"][i]["tokens_held"] == rb["tokens_held"] >= ra["tokens_held"]
                         assert rb["rows"][i]["device_bytes"] == rb["device_bytes"] // 3
@@ -155,13 +157,41 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
     assert sorted(checked) == sorted(SPLIT)
 
 
+@pytest.mark.parametrize("offload,lengths,in_place", [
+    (False, (30, 13), True),  # every row clusters at its prefill: in place
+    (False, (30, 5), False),  # row 1 has 3 tokens past its sinks, fewer than tokens_per_cluster
+    (True, (30, 13), False),  # the host tier and its fetches stay per row
+])
+def test_clusterkv_serves_in_place_where_every_row_clusters_else_row_by_row(padded_compiled, offload, lengths,
+                                                                            in_place):
+    """ClusterKV serves a padded batch in place when each row clusters at its prefill (its clustered range
+    then ends where the others' does); a row too short to cluster yet, or offloading, sends the batch row by
+    row. Either way each row selects the positions and gives the tokens of the prompt alone."""
+    model = padded_compiled.model
+    policy = ClusterKV(budget=12, sinks=2, tokens_per_cluster=4, decode_window=4, decode_clusters=2,
+                       dense_layers=(), offload=offload)
+    rows = [prompt(n, seed=120 + n)[0] for n in lengths]
+    ids, mask = left_padded(rows)
+    be, fwd = padded_compiled.forward(policy)
+    out, steps = _generate(model, fwd, ids, be, new=8, attention_mask=mask)
+    assert all((s.split is None) == in_place for s in be.runtime.sites.values())
+    for i, r in enumerate(rows):
+        be.set_policy(policy)
+        alone, alone_steps = _generate(model, fwd, r[None], be, new=8)
+        assert torch.equal(out.sequences[i, -8:], alone.sequences[0, -8:]), i
+        for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
+            for site in sb:
+                assert _same_selection(sb[site][i], sa[site][0]), f"row {i}, step {step}, site {site}"
+
+
 def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_compiled):
-    """Beam search over a padded batch (the rows' states are reordered and copied per beam) gives each
-    prompt's beams alone, for a selecting and a merging policy."""
+    """Beam search over a padded batch (the rows' states are reordered and copied per beam, or the batched
+    metadata follows the reorder in place) gives each prompt's beams alone, for selecting policies served
+    in place and a merging policy served row by row."""
     model = padded_compiled.model
     rows = [prompt(n, seed=60 + n)[0] for n in (28, 17)]
     ids, mask = left_padded(rows)
-    for name in ("Quest", "CentroidKV"):
+    for name in ("Quest", "ClusterKV", "CentroidKV"):
         be, fwd = padded_compiled.forward(SMALL[name])
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask, num_beams=2)
         for i, r in enumerate(rows):

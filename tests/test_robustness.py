@@ -162,6 +162,52 @@ def test_centroidkv_device_bytes_stay_within_budget_over_1000_steps():
     assert all(r["device_bytes"] * 10 < full_kv for r in last)
 
 
+def test_device_bytes_per_sequence_barely_grow_with_the_context():
+    """What a server can count on (issue 14): with a fixed budget, the device bytes of one sequence do not
+    grow with its context for CentroidKV, and grow by a small fixed share of Full's per-token bytes for the
+    offloading policies: ClusterKV(offload=True) keeps 8 bytes a token and KV head for its recall (the step
+    that last recalled a position and its slot); TailorKV's sparse layers the prefetched critical channels
+    (``critical_channels / head_dim`` of the keys) and its quantised layers ``quant_bits`` per element plus
+    fp16 scales. Measured from the report at two prompt lengths, against Full's growth: docs/design.md
+    ("What a sequence holds on the device") has the same shares for SmolLM2."""
+    from kvpass.tailorkv import Profile, config_key
+
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=16, positions=2048)
+    tailor = dict(sparse_budget=16, static_tokens=6, sinks=2, critical_channels=4, group_size=8, residual=8,
+                  quant_bits=2)
+    two_tiers = Profile(config_key(model.config), "llama", ((0, 0.9), (1, 0.0)))  # layer 0 quantised, 1 sparse
+    policies = {  # name: (policy, the most its growth may be of Full's)
+        "CentroidKV": (CentroidKV.with_budget(48, sinks=4, recent=8, step=8, chunk=16, outlier_heads=0.0), 0.0),
+        # per token and KV head: its recall step and slot (int32 each), its place in the cluster order (int64),
+        # and a cluster's centroid, size and offset (fp32 x 16, int64 x 2) per 8 tokens; Full: K and V, 128 B
+        "ClusterKV(offload)": (ClusterKV(budget=32, sinks=4, tokens_per_cluster=8, decode_window=32,
+                                         decode_clusters=4, dense_layers=(), offload=True),
+                               (4 + 4 + 8 + (4 * 16 + 16) / 8) / 128),
+        # sparse: 4 of 16 channels (16 of 128 B); quantised: 2-bit codes (8 B) and fp16 scales (16 B)
+        "TailorKV": (TailorKV(**tailor, profile=two_tiers), (16 + 24) / (2 * 128)),
+    }
+
+    def growth(policy):
+        """Device bytes after a prompt of 1400 tokens less those after one of 200 (3 decode steps each)."""
+        torch._dynamo.reset()  # each policy compiles its own graphs: stay within the recompile limit
+        be = kvpass(policy, strict=True)
+        fwd = torch.compile(model.forward, backend=be)
+        held = []
+        for n in (200, 1400):
+            be.set_policy(policy)  # fresh states, buffer capacities too
+            _greedy(fwd, model, prompt(n, seed=n), 3)
+            held.append(sum(r["device_bytes"] for r in be.report_rows()))
+        return held[1] - held[0]
+
+    full = growth(Full())
+    assert full > 0
+    for name, (policy, share) in policies.items():
+        grown = growth(policy)
+        # capacities grow by doubling (and by whole chunks): a slack of 2x the share, never Full's growth
+        assert grown <= 2 * share * full + 4096, (name, grown, full)
+        print(f"{name}: {grown / full:.3f} of Full's device bytes per added token")
+
+
 def test_clusterkv_offload_keeps_every_token_in_the_host_tier():
     """ClusterKV recalls from the whole cache, so the report counts all of it in the host tier with
     offload=True, and less on the device. (Quest keeps every token on the device: test_policies.py.)"""

@@ -123,6 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--throughput", action="store_true",
                    help="measure padded-batch throughput instead of running the accuracy grid (rows in "
                         "OUT/throughput.jsonl)")
+    t.add_argument("--task", default=None, metavar="TASK",
+                   help="each row of a batch is a sample of TASK (e.g. single_needle) of about its length, "
+                        "prefilled on its own, decoded for the task's answer length and scored: the accuracy of "
+                        "each row on its task (default: prefixes of one prose prefill, no task)")
     t.add_argument("--lengths", default=None, metavar="LO-HI",
                    help="prompt lengths of a batch, spread evenly over LO-HI (default 2048-8192; --quick: 1024-2048)")
     c = p.add_argument_group("compile time", "kvpass bench --compile-time: seconds from torch.compile to the last "

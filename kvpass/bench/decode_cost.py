@@ -503,23 +503,30 @@ def _index(rows):
     return {(r["policy"], r["context"], r["batch"], r["threads"]): r for r in rows}
 
 
-def floor_of(row: dict, rows: list[dict]) -> tuple[dict | None, int | None]:
-    """Full's row at the measured context nearest (log scale) to the tokens the policy attends per site, at the
-    same batch and threads: ``(row, context)``."""
-    fulls = [r for r in rows if r["policy"] == "Full()" and r["batch"] == row["batch"] and r["threads"] == row["threads"]
-             and r["model"] == row["model"]]
-    n = max(1.0, float(row.get("attended_per_site") or 0))
+def floor_of(row: dict, rows: list[dict]) -> tuple[float | None, str | None]:
+    """F(N, B): Full's ms/token at N = the tokens the policy attends per site, at the same batch and threads,
+    as ``(ms, where)``. Between two measured contexts Full's step is interpolated linearly in the context (it
+    reads weights plus N tokens per site: linear in N); outside them the nearest measured context is taken
+    (e.g. Full at 1024 for a budget of 1024). ``where`` names the context or the two that bracket N."""
+    fulls = sorted((r for r in rows if r["policy"] == "Full()" and r["batch"] == row["batch"]
+                    and r["threads"] == row["threads"] and r["model"] == row["model"]), key=lambda r: r["context"])
     if not fulls:
         return None, None
+    n = max(1.0, float(row.get("attended_per_site") or 0))
+    for lo, hi in zip(fulls, fulls[1:]):
+        if lo["context"] < n < hi["context"] and abs(n - lo["context"]) > 0.02 * n and abs(hi["context"] - n) > 0.02 * n:
+            t = (n - lo["context"]) / (hi["context"] - lo["context"])
+            ms = lo["ms_per_token"] + t * (hi["ms_per_token"] - lo["ms_per_token"])
+            return ms, f"{n:.0f}: {lo['context']}-{hi['context']}"
     best = min(fulls, key=lambda r: (abs(math.log(r["context"] / n)), r["context"]))
-    return best, best["context"]
+    return best["ms_per_token"], str(best["context"])
 
 
 def _ratios(r: dict, rows: list[dict], idx) -> tuple[float, float, int | None]:
     full = idx.get(("Full()", r["context"], r["batch"], r["threads"]))
     vs_full = r["ms_per_token"] / full["ms_per_token"] if full else float("nan")
     fl, fc = floor_of(r, rows)
-    vs_floor = r["ms_per_token"] / fl["ms_per_token"] if fl else float("nan")
+    vs_floor = r["ms_per_token"] / fl if fl else float("nan")
     return vs_full, vs_floor, fc
 
 
@@ -739,9 +746,11 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
         "Tokens fetched from a host tier (TailorKV) are counted once, as attended. GB/s = bytes / ms per token; "
         "the share is of the bandwidth measured above at the same thread count.",
         "- **Ratios**: × Full is to kvpass Full at the same context, batch and threads; × floor is to F(N, B), "
-        "Full's own ms/token at context N = the tokens the policy attends per site (from the report), taken "
-        "at the nearest measured context (log scale; e.g. Full at 1024 for a budget of 1024), at the same "
-        "batch; that Full context is in parentheses in the detail table.",
+        "Full's own ms/token at context N = the tokens the policy attends per site (from the report, averaged "
+        "over the sites: ClusterKV's dense layers attend everything), at the same batch: interpolated "
+        "linearly between the two measured contexts that bracket N (Full's step reads the weights plus N "
+        "tokens per site), else Full at the nearest measured context (e.g. 1024 for a budget of 1024). The "
+        "detail table gives N and the contexts used, or the one context, in parentheses.",
         "- **Breakdown**: extra decode steps under `torch.profiler` after the timed ones; self CPU time of the "
         "main thread goes to `selection` (ranges `kvpass.select`), `gather+attention` (ranges `kvpass.attend`, "
         "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "

@@ -22,11 +22,16 @@ TailorKV(sparse_budget=1024)):
   and warmed up on a short padded batch first.
 - **Bytes**: ``device_bytes`` summed over sites, and per row: a padded batch reports each row's bytes
   (``rows`` of the report row: a row served row by row holds its own; a state that serves the batch in
-  place, Full or Quest, gives each row its share of buffers at the padded length); a batch without
+  place, Full, Quest or ClusterKV, gives each row its share of buffers at the padded length); a batch without
   padding divides by B.
 - **Agreement with Full**: the share of each row's decoded tokens equal to Full's at the same step of the
-  same cell (greedy, so one early difference can change the rest); the prose has no task, so this is the
-  accuracy figure of this bench (the task accuracy per policy is ``kvpass bench``'s grid).
+  same cell (greedy, so one early difference can change the rest).
+- **A task** (``--task single_needle``, any of :mod:`kvpass.bench.tasks`): each row is instead a sample of
+  the task whose chat prompt has about the row's length (seed ``--seed`` + the length), prefilled exactly
+  on its own; the cell decodes the task's answer length (``--steps`` is then that length less the prefill's
+  token and the warm-up) and scores each row's greedy answer (``tasks.score``): ``accuracy`` and
+  ``outputs`` per row, Full's from the same rows on its own line. Without a task the prose has no answer,
+  and the agreement with Full is the bench's accuracy figure.
 """
 
 from __future__ import annotations
@@ -57,24 +62,54 @@ def row_lengths(batch: int, lo: int, hi: int) -> list[int]:
     return [lo + round((hi - lo) * i / (batch - 1)) for i in range(batch)]
 
 
-def padded_cache(model, prefill_kv, lengths: list[int]):
-    """A DynamicCache of ``len(lengths)`` rows, row i holding the first ``lengths[i]`` keys and values of
-    the prefill right-aligned (zeros before), and the ``(B, max)`` attention mask."""
+def prose_rows(prefill_kv, ids: torch.Tensor, lengths: list[int]) -> list[tuple]:
+    """Rows of a batch as prefixes of one prefill: ``(per-layer (k, v) of 1 row, first input id (1,), length)``,
+    row i holding the first ``lengths[i]`` tokens and continuing with the next token of ``ids (1, S)``."""
+    return [([(k[:, :, :n], v[:, :, :n]) for k, v in prefill_kv], ids[0, n : n + 1], n) for n in lengths]
+
+
+def padded_cache(model, rows: list[tuple]):
+    """A DynamicCache of ``len(rows)`` rows (see :func:`prose_rows`), row i's keys and values right-aligned
+    (zeros before), and the ``(B, max)`` attention mask."""
     from kvpass.bench.timing import cache_from
 
-    width, batch = max(lengths), len(lengths)
+    lengths = [n for _, _, n in rows]
+    width, batch = max(lengths), len(rows)
     mask = torch.zeros((batch, width), dtype=torch.long)
     kv = []
-    for k, v in prefill_kv:
+    for layer, (k, v) in enumerate(rows[0][0]):
         kk = k.new_zeros((batch, k.shape[1], width, k.shape[3]))
         vv = v.new_zeros((batch, v.shape[1], width, v.shape[3]))
-        for i, n in enumerate(lengths):
-            kk[i, :, width - n :] = k[0, :, :n]
-            vv[i, :, width - n :] = v[0, :, :n]
+        for i, (row_kv, _, n) in enumerate(rows):
+            kk[i, :, width - n :] = row_kv[layer][0][0, :, :n]
+            vv[i, :, width - n :] = row_kv[layer][1][0, :, :n]
         kv.append((kk, vv))
     for i, n in enumerate(lengths):
         mask[i, width - n :] = 1
     return cache_from(model, kv), mask
+
+
+def task_rows(model, tokenizer, task: str, lengths: list[int], seed: int, progress: bool) -> dict[int, tuple]:
+    """For each length n: a sample of ``task`` whose chat prompt has about n tokens (seed ``seed + n``),
+    prefilled exactly on its own: ``{n: (sample, per-layer (k, v), first new token (1,), prompt tokens)}``."""
+    from kvpass.bench.tasks import make_sample
+    from kvpass.bench.timing import cache_tensors
+    from kvpass.models import chat_prompt
+
+    overhead = len(tokenizer(chat_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
+    out = {}
+    for n in lengths:
+        t0 = time.perf_counter()
+        sample = make_sample(task, tokenizer, n - overhead, seed + n)
+        ids = tokenizer(chat_prompt(tokenizer, sample.prompt), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        kv = [(k.detach(), v.detach()) for k, v in cache_tensors(res.past_key_values)]
+        out[n] = (sample, kv, res.logits[0, -1:].argmax(-1), ids.shape[1])
+        del res
+        if progress:
+            print(f"kvpass bench --throughput: {task} sample of {ids.shape[1]} tokens prefilled in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return out
 
 
 def _decode(fwd, cache, mask, ids, pos, n) -> tuple[list[torch.Tensor], list[float], torch.Tensor, torch.Tensor]:
@@ -103,12 +138,15 @@ def _bytes(backend, batch: int) -> tuple[int, int, list[int]]:
 
 def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: int, out_dir: Path, *,
                    threads: list[int], steps: int = 8, warmup_steps: int = 3, model_name: str | None = None,
-                   command: str = "", progress: bool = True) -> list[dict[str, Any]]:
+                   command: str = "", progress: bool = True, task: str | None = None,
+                   seed: int = 0) -> list[dict[str, Any]]:
     """Measure every (threads, policy, batch) cell (see the module docstring); rows are appended to
-    ``out_dir/throughput.jsonl`` and returned."""
+    ``out_dir/throughput.jsonl`` and returned. ``task``: each row is a sample of that task
+    (:mod:`kvpass.bench.tasks`), decoded for the task's answer length and scored."""
     from kvpass import kvpass
     from kvpass.bench.decode_cost import _now
-    from kvpass.bench.timing import cache_tensors
+    from kvpass.bench.tasks import score
+    from kvpass.bench.timing import answer_text, cache_tensors
     from kvpass.bench.perplexity import topics_text
     from kvpass.bench.runner import _append, _model_name, machine_info, policy_label
     from kvpass.policies.full import Full
@@ -116,9 +154,13 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
     if not 1 <= lo <= hi:
         raise ValueError(f"kvpass: --lengths needs 1 <= LO <= HI, got {lo}-{hi}")
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-    if hi + warmup_steps + steps > max_pos:
-        raise ValueError(f"kvpass: --lengths up to {hi} plus {warmup_steps + steps} steps passes the model's "
-                         f"{max_pos} positions; lower HI")
+    if task is not None:
+        from kvpass.bench.runner import default_new_tokens as _new
+
+        steps = max(1, _new(task) - 1 - warmup_steps)  # the first new token comes from the prefill
+    if hi + warmup_steps + steps + 1 > max_pos:
+        raise ValueError(f"kvpass: --lengths up to {hi} plus {warmup_steps + steps + 1} new tokens passes the "
+                         f"model's {max_pos} positions; lower HI")
     policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,16 +174,27 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")
             t0 = time.perf_counter()
-            out = fwd_eager(input_ids=ids[:, :hi], use_cache=True, logits_to_keep=1)
+            prose = hi if task is None else 128  # a task's rows are its samples: prose only warms up
+            out = fwd_eager(input_ids=ids[:, :prose], use_cache=True, logits_to_keep=1)
             prefill_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(out.past_key_values)]
             del out
             if progress:
-                print(f"kvpass bench --throughput: prefill of {hi} tokens in {time.perf_counter() - t0:.1f} s",
+                print(f"kvpass bench --throughput: prefill of {prose} tokens in {time.perf_counter() - t0:.1f} s",
                       flush=True)
+            samples = None
+            if task is not None:
+                wanted = sorted({n for b in batches for n in row_lengths(b, lo, hi)})
+                # the answer is the prefill's token and the decoded ones (steps covers the task's length)
+                samples = task_rows(model, tokenizer, task, wanted, seed, progress)
 
-            def start(lengths):
-                first = torch.stack([ids[0, n] for n in lengths]).view(-1, 1)
-                pos = torch.tensor(lengths).view(-1, 1)
+            def batch_rows(lengths):
+                if samples is None:
+                    return prose_rows(prefill_kv, ids, lengths)
+                return [(samples[n][1], samples[n][2], samples[n][3]) for n in lengths]
+
+            def start(rows):
+                first = torch.stack([f.reshape(()) for _, f, _ in rows]).view(-1, 1)
+                pos = torch.tensor([n for _, _, n in rows]).view(-1, 1)
                 return first, pos
 
             for t in threads:
@@ -155,9 +208,10 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
                     fwd = torch.compile(fwd_eager, backend=backend, dynamic=True)
                     t0 = time.perf_counter()
                     for warm in ([48], [40, 64], [33, 50, 70]):  # batch 1, a padded batch, and another size
-                        cache, mask = padded_cache(model, prefill_kv, warm)
+                        rows = prose_rows(prefill_kv, ids, warm)
+                        cache, mask = padded_cache(model, rows)
                         backend.adopt(cache)  # one decode graph: the first step runs the steady one
-                        _decode(fwd, cache, mask, *start(warm), warmup_steps + 2)
+                        _decode(fwd, cache, mask, *start(rows), warmup_steps + 2)
                     if progress:
                         print(f"kvpass bench --throughput: compiled {len(backend.graphs)} graph(s) in "
                               f"{time.perf_counter() - t0:.0f} s ({t} thread(s))", flush=True)
@@ -165,13 +219,20 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
                         for b in batches:
                             gc.collect()
                             backend.set_policy(p)
-                            lengths = row_lengths(b, lo, hi)
-                            cache, mask = padded_cache(model, prefill_kv, lengths)
+                            rows = batch_rows(row_lengths(b, lo, hi))
+                            lengths = [n for _, _, n in rows]
+                            cache, mask = padded_cache(model, rows)
                             backend.adopt(cache)
                             g0 = len(backend.graphs)
-                            first, pos = start(lengths)
-                            _, _, nxt, mask = _decode(fwd, cache, mask, first, pos, warmup_steps)
+                            first, pos = start(rows)
+                            warm_toks, _, nxt, mask = _decode(fwd, cache, mask, first, pos, warmup_steps)
                             toks, times, _, _ = _decode(fwd, cache, mask, nxt, pos + warmup_steps, steps)
+                            accuracy = outputs = None
+                            if samples is not None:
+                                new_ids = torch.cat([first, torch.stack(warm_toks + toks, 1)], 1)
+                                outputs = [answer_text(tokenizer, new_ids[i].tolist()) for i in range(b)]
+                                accuracy = [score(samples[n][0], o)
+                                            for n, o in zip(row_lengths(b, lo, hi), outputs)]
                             device, host, per_row = _bytes(backend, b)
                             tps = b / statistics.median(times)
                             seq = torch.stack(toks, 1)  # (B, steps)
@@ -188,6 +249,7 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
                                 "full_tokens_per_s": full_tps.get(b), "x_full": tps / full_tps[b] if b in full_tps
                                 else None, "device_bytes": device, "host_bytes": host,
                                 "device_bytes_per_row": per_row, "agreement_with_full": agree,
+                                "task": task, "accuracy": accuracy, "outputs": outputs,
                                 "graphs_compiled_timed": len(backend.graphs) - g0, "machine": machine_info(),
                                 "command": command, "finished": _now(),
                             }
@@ -197,6 +259,8 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
                             if progress:
                                 xf = f"{row['x_full']:.2f}x Full" if row["x_full"] else "-"
                                 ag = f"{100 * sum(agree) / len(agree):.0f} % = Full" if agree else ""
+                                if accuracy is not None:
+                                    ag += f", {task} accuracy {100 * sum(accuracy) / len(accuracy):.0f} %"
                                 print(f"  {row['policy_name']:<28} batch={b:<3} {tps:7.2f} tokens/s ({xf}), "
                                       f"{device / 2**20:8.1f} MiB on device, max {max(per_row) / 2**20:.1f} MiB/row "
                                       f"{ag}", flush=True)
@@ -213,8 +277,10 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
         sel = [r for r in rows if r["threads"] == t]
         batches = sorted({r["batch"] for r in sel})
         names = list(dict.fromkeys(r["policy_name"] for r in sel))
+        task = next((r.get("task") for r in sel if r.get("task")), None)
+        acc_head = f" / {task} accuracy over the rows" if task else ""
         lines += [f"### {t} thread(s): tokens/s (x Full, same batch) / MiB on the device, max per row / tokens "
-                  "equal to Full", "", "| policy | " + " | ".join(f"batch {b}" for b in batches) + " |",
+                  f"equal to Full{acc_head}", "", "| policy | " + " | ".join(f"batch {b}" for b in batches) + " |",
                   "|---|" + "---:|" * len(batches)]
         for n in names:
             cells = []
@@ -226,8 +292,10 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
                 xf = f"{r['x_full']:.2f}x" if r.get("x_full") else "-"
                 ag = r.get("agreement_with_full")
                 ag = f"{100 * sum(ag) / len(ag):.0f} %" if ag else "-"
+                acc = r.get("accuracy")
+                acc = f" / {100 * sum(acc) / len(acc):.0f} %" if acc else ""
                 cells.append(f"{r['tokens_per_s']:.2f} ({xf}) / {r['device_bytes'] / 2**20:.0f}, "
-                             f"{max(r['device_bytes_per_row']) / 2**20:.1f} / {ag}")
+                             f"{max(r['device_bytes_per_row']) / 2**20:.1f} / {ag}{acc}")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -265,8 +333,15 @@ def write_page(rows: list[dict[str, Any]], path: Path, command: str) -> Path:
     pngs = plot(rows, path.parent / path.stem)
     lengths = sorted({n for r in rows for n in r["lengths"]})
     machine = rows[0]["machine"] if rows else {}
+    task = next((r.get("task") for r in rows if r.get("task")), None)
+    source = "the keys and values are prefixes of one exact prefill of prose."
+    if task:
+        source = (f"each row is a `{task}` sample of about its length (kvpass/bench/tasks.py), prefilled exactly "
+                  "on its own, and decoded greedily for the task's answer length; its accuracy is the share of "
+                  "the sample's answers found in that answer (`tasks.score`), averaged over the batch's rows "
+                  "(Full's, from the same rows, is its own line).")
     text = [
-        "# Throughput: padded batches of mixed lengths", "",
+        "# Throughput: padded batches of mixed lengths" + (f", each row a {task} sample" if task else ""), "",
         f"<!-- Generated by `kvpass bench --throughput` (kvpass.bench.throughput.write_page); do not edit by hand: "
         "rerun the command below. -->", "",
         "Every number on this page comes from the run below; kvpass/bench/throughput.py says how it is measured.",
@@ -274,9 +349,9 @@ def write_page(rows: list[dict[str, Any]], path: Path, command: str) -> Path:
         f"Machine: {machine.get('cpu_count')} cores, {machine.get('processor')}, {machine.get('platform')}; Python "
         f"{machine.get('python')}, torch {machine.get('torch')}, transformers {machine.get('transformers')}.", "",
         f"Prompt lengths in this run: {lengths[0]} to {lengths[-1]} tokens, left-padded to the longest of each "
-        "batch; the keys and values are prefixes of one exact prefill of prose. Quest serves a padded batch "
-        "in place, each row's pages starting at its first real token; ClusterKV, CentroidKV and TailorKV serve "
-        "it row by row (docs/design.md, \"Padding\"). Tokens equal to Full: greedy, at the same step of the "
+        f"batch; {source} Quest and ClusterKV serve a "
+        "padded batch in place (each row's pages, or sinks and clusters, from its first real token); CentroidKV "
+        "and TailorKV serve it row by row (docs/design.md, \"Padding\"). Tokens equal to Full: greedy, at the same step of the "
         "same cell. The cells are one run on a shared machine: a cell moves by up to a quarter between runs.", "",
         "## Results", "", markdown_tables(rows),
     ]
@@ -290,7 +365,7 @@ def _command(args: argparse.Namespace) -> str:
     if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return shlex.join(["kvpass"] + sys.argv[1:])
     parts = ["kvpass", "bench", "--throughput", "--model", args.model]
-    for opt in ("policies", "batches", "lengths", "steps", "warmup_steps", "threads", "results_md"):
+    for opt in ("policies", "batches", "lengths", "task", "steps", "warmup_steps", "threads", "results_md"):
         v = getattr(args, opt, None)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -318,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok, model_name, policies, out = load_for_bench(args, policies)
     rows = run_throughput(model, tok, policies, batches, lo, hi, out, threads=threads,
                           steps=args.steps or preset["steps"], warmup_steps=args.warmup_steps,
+                          task=getattr(args, "task", None), seed=getattr(args, "seed", 0),
                           model_name=model_name, command=command, progress=not args.no_progress)
     print()
     print(markdown_tables(rows))

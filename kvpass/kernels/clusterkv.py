@@ -32,6 +32,9 @@ are the CPU implementation used in production):
 - :func:`select_clusters` / :func:`select_clusters_ref`: the budgeted cluster recall;
   :func:`select_clusters_cpu`, the same recall in C (one call instead of a dozen small torch ops per
   site and step; :mod:`kvpass.kernels.native`), the CPU path where it is built.
+- :func:`cluster_select_torch` / :func:`cluster_select_cpu`: a decode step's whole list (each row's
+  sinks, recalled clusters and recent tokens, or all of a row that fits the budget), the C one in one
+  call.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ __all__ = [
     "select_clusters",
     "select_clusters_cpu",
     "select_clusters_ref",
+    "cluster_scores",
+    "cluster_select_cpu",
+    "cluster_select_torch",
 ]
 
 _EPS = 1e-6  # norm floor of the normalisation x / max(|x|, eps)
@@ -707,6 +713,75 @@ int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int6
     free(r);
     return 0;
 }
+
+/* A ClusterKV decode step's whole list per (b, h), cluster_select_torch in one pass: row b starts at
+   f = first[b] (0 without first); a row whose own length L - f fits `cover` (>= 0) lists all of
+   [f, L); the others list their sinks f + [0, n_sinks), then the best whole clusters by q . mu
+   (gqa: the query group's sum, or the max of its members' scores) in cluster_budget slots (the last
+   trimmed, -1 after), then the recent tokens [L - n_recent, L). -1 fills the list to W. */
+int kvpass_cluster_select(const float *q, int64_t qs_b, int64_t qs_h,
+                          const float *cent, int64_t cs_b, int64_t cs_h, int64_t cs_c,
+                          const int64_t *sizes, int64_t zs_b, int64_t zs_h, int64_t zs_c,
+                          const int64_t *offsets, int64_t fs_b, int64_t fs_h, int64_t fs_c,
+                          const int64_t *order, int64_t rs_b, int64_t rs_h, int64_t rs_n,
+                          const int64_t *first, int64_t ft_b,
+                          int64_t *out, int64_t xs_b, int64_t xs_h,
+                          int64_t B, int64_t H, int64_t G, int64_t D, int64_t C, int64_t N, int64_t L,
+                          int64_t n_sinks, int64_t cluster_budget, int64_t n_recent, int64_t cover, int64_t W,
+                          int64_t gqa_max) {
+    rank_t *r = (rank_t *)malloc(sizeof(rank_t) * (size_t)(C > 0 ? C : 1));
+    float *qq = (float *)malloc(sizeof(float) * (size_t)(G * D > 0 ? G * D : 1));
+    if (!r || !qq) { free(r); free(qq); return -1; }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t f = first ? first[b * ft_b] : 0;
+        for (int64_t h = 0; h < H; h++) {
+            int64_t *o = out + b * xs_b + h * xs_h, j = 0;
+            if (cover >= 0 && L - f <= cover) {
+                for (; j < W; j++) o[j] = f + j < L ? f + j : -1;
+                continue;
+            }
+            for (int64_t t = 0; t < n_sinks && j < W; t++) o[j++] = f + t;
+            int64_t end = j + cluster_budget;
+            if (end > W) end = W;
+            if (cluster_budget > 0 && C > 0) {
+                int64_t rows = gqa_max ? G : 1;
+                const float *qg = q + b * qs_b + h * G * qs_h;
+                for (int64_t d = 0; d < D * rows; d++) qq[d] = 0.f;
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t d = 0; d < D; d++) qq[(gqa_max ? g : 0) * D + d] += qg[g * qs_h + d];
+                const float *ce = cent + b * cs_b + h * cs_h;
+                const int64_t *sz = sizes + b * zs_b + h * zs_h, *off = offsets + b * fs_b + h * fs_h;
+                const int64_t *ord = order + b * rs_b + h * rs_h;
+                int64_t n = 0;
+                for (int64_t c = 0; c < C; c++) {
+                    if (sz[c * zs_c] <= 0) continue;
+                    const float *m = ce + c * cs_c;
+                    float best = 0.f;
+                    for (int64_t g = 0; g < rows; g++) {
+                        float acc = 0.f;
+                        for (int64_t d = 0; d < D; d++) acc += qq[g * D + d] * m[d];
+                        if (g == 0 || acc > best) best = acc;
+                    }
+                    if (best > -INFINITY) { r[n].s = best; r[n].c = c; n++; }
+                }
+                qsort(r, (size_t)n, sizeof(rank_t), by_rank);
+                for (int64_t i = 0; i < n && j < end; i++) {
+                    int64_t c = r[i].c, z = sz[c * zs_c], at = off[c * fs_c];
+                    for (int64_t t = 0; t < z && j < end; t++, j++) {
+                        int64_t src = at + t;
+                        o[j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
+                    }
+                }
+            }
+            for (; j < end; j++) o[j] = -1;
+            for (int64_t t = 0; t < n_recent && j < W; t++) o[j++] = L - n_recent + t;
+            for (; j < W; j++) o[j] = -1;
+        }
+    }
+    free(r);
+    free(qq);
+    return 0;
+}
 """
 
 
@@ -717,6 +792,17 @@ def _select_lib():
     from kvpass.kernels import native
 
     return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters", _SELECT_ARGTYPES)
+
+
+_CLUSTER_SELECT_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                            + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 3 + [ctypes.c_void_p, ctypes.c_int64]
+                            + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_int64] * 13)
+
+
+def _cluster_select_lib():
+    from kvpass.kernels import native
+
+    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select", _CLUSTER_SELECT_ARGTYPES)
 
 
 def select_clusters_cpu_available() -> bool:
@@ -752,3 +838,100 @@ def select_clusters_cpu(
     if rc != 0:
         raise MemoryError(f"kvpass: {who} could not allocate its scratch")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# A decode step's whole selection: sinks, recalled clusters, recent tokens
+# --------------------------------------------------------------------------------------------------
+
+
+def _first_rows(first: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    if first is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    return first.to(device=device, dtype=torch.int64).expand(batch)
+
+
+def cluster_scores(q: torch.Tensor, centroids: torch.Tensor, gqa: str = "sum") -> torch.Tensor:
+    """``(B, H, C)`` fp32 q·μ of each cluster for the decode queries ``q (B, H_q, D)`` (``H_q = G H``),
+    the query group combined by ``gqa``: "sum" scores the group's summed query, "max" takes the
+    largest of its members' scores."""
+    b, h, _, d = centroids.shape
+    qg = q.reshape(b, h, -1, d).float()
+    if gqa == "sum":
+        return torch.matmul(centroids, qg.sum(2)[..., None])[..., 0]
+    return torch.matmul(qg, centroids.transpose(-1, -2)).amax(2)
+
+
+def cluster_select_torch(
+    q: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
+    first: torch.Tensor | None, length: int, n_sinks: int, cluster_budget: int, n_recent: int, cover: int,
+    width: int, gqa: str = "sum", select=select_clusters_ref,
+) -> torch.Tensor:
+    """The positions a ClusterKV decode step attends, ``(B, H, width)`` int64, -1 padding.
+
+    Row b starts at cache position ``f_b`` (``first (B,)`` or ``(1,)``, None: 0). Where ``cover >= 0``
+    and the row's own length ``length - f_b`` is at most ``cover``, the row lists all of ``[f_b,
+    length)`` (it fits the budget: alone it attends everything). Otherwise it lists its sinks ``f_b +
+    [0, n_sinks)``, then ``cluster_budget`` slots of the best whole clusters by :func:`cluster_scores`
+    (``select``: :func:`select_clusters_ref` or a launcher with its signature), then the recent tokens
+    ``[length - n_recent, length)``. Metadata shapes as in the module docstring; q ``(B, H_q, D)``."""
+    b, h = centroids.shape[:2]
+    dev = q.device
+    f = _first_rows(first, b, dev)[:, None, None]
+    parts = [(f + torch.arange(n_sinks, device=dev)).expand(b, h, -1)]
+    if cluster_budget > 0:
+        parts.append(select(cluster_scores(q, centroids, gqa), sizes, offsets, order, cluster_budget))
+    parts.append(torch.arange(length - n_recent, length, device=dev).expand(b, h, -1))
+    idx = torch.cat(parts, dim=-1)
+    idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1)[..., :width]
+    if cover < 0:
+        return idx
+    own = f + torch.arange(width, device=dev)
+    return torch.where(length - f <= cover, torch.where(own < length, own, -1), idx)
+
+
+def cluster_select_cpu(
+    q: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
+    first: torch.Tensor | None, length: int, n_sinks: int, cluster_budget: int, n_recent: int, cover: int,
+    width: int, gqa: str = "sum",
+) -> torch.Tensor:
+    """:func:`cluster_select_torch` in one C call (CPU, fp32 q and centroids with contiguous last dims,
+    int64 metadata): the scores, the ranking and the list of a site's step without a dozen small torch
+    ops. The same list up to the rounding of the scores (the C dot products add in another order than
+    BLAS: a near-tie between two clusters may rank the other way)."""
+    fn = _cluster_select_lib()
+    b, h_q, d = q.shape
+    bb, h, c, dc = centroids.shape
+    ok = (fn is not None and q.device.type == centroids.device.type == "cpu" and q.dtype == centroids.dtype
+          == torch.float32 and bb == b and dc == d and h_q % h == 0 and q.stride(2) == 1
+          and centroids.stride(3) == 1 and gqa in ("sum", "max")
+          and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in (sizes, offsets, order))
+          and tuple(sizes.shape) == (b, h, c) and tuple(offsets.shape) == (b, h, c + 1)
+          and tuple(order.shape[:2]) == (b, h) and width >= 0)
+    if first is not None:
+        ok = ok and first.dtype == torch.int64 and first.device.type == "cpu" and first.dim() == 1 and (
+            first.shape[0] in (1, b))
+    if not ok:
+        raise ValueError(
+            "kvpass: cluster_select_cpu needs fp32 CPU q (B, H_q, D) and centroids (B, H, C, D) with contiguous "
+            "last dims, int64 sizes (B, H, C), offsets (B, H, C + 1), order (B, H, N), first (B,) or (1,), gqa "
+            f"'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} {q.dtype}, centroids "
+            f"{tuple(centroids.shape)} {centroids.dtype}, sizes {tuple(sizes.shape)}, offsets "
+            f"{tuple(offsets.shape)}, order {tuple(order.shape)}, gqa={gqa!r}")
+    out = torch.empty((b, h, width), dtype=torch.int64)
+    if out.numel() == 0:
+        return out
+    ft = 0 if first is None or first.shape[0] == 1 else first.stride(0)
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), centroids.data_ptr(), *centroids.stride()[:3],
+            sizes.data_ptr(), *sizes.stride(), offsets.data_ptr(), *offsets.stride(), order.data_ptr(),
+            *order.stride(), None if first is None else first.data_ptr(), ft, out.data_ptr(), *out.stride()[:2],
+            b, h, h_q // h, d, c, order.shape[2], length, n_sinks, cluster_budget, n_recent, cover, width,
+            int(gqa == "max"))
+    if rc != 0:
+        raise MemoryError("kvpass: cluster_select_cpu could not allocate its scratch")
+    return out
+
+
+def cluster_select_cpu_available() -> bool:
+    """Whether :func:`cluster_select_cpu` is built (see :mod:`kvpass.kernels.native`)."""
+    return _cluster_select_lib() is not None

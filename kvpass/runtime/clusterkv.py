@@ -1,15 +1,21 @@
 """Site state of ClusterKV (arXiv 2412.03213): clusters of keys per KV head, budgeted cluster recall.
 
-Metadata per site, for every batch row and KV head (all rows share the cluster count, since every row
-has the same length):
+Metadata per site, for every batch row and KV head:
 
 - ``centroids (B, H_kv, C, D)`` fp32: the mean of each cluster's keys (the paper's μ, scored by q·μ),
-- ``sizes (B, H_kv, C)`` int64, ``offsets (B, H_kv, C + 1)`` their exclusive prefix sums,
-- ``order (B, H_kv, N)`` int64: the clustered token positions sorted by cluster (cluster ``c`` is
-  ``order[..., offsets[c]:offsets[c + 1]]``).
+- ``sizes (B, H_kv, C)`` int64 and ``offsets (B, H_kv, C + 1)`` int64: cluster ``c`` is
+  ``order[..., offsets[c] : offsets[c] + sizes[c]]``,
+- ``order (B, H_kv, N)`` int64: the clustered cache positions grouped by cluster.
 
 Positions ``[0, sinks)`` are never clustered, ``[sinks, tail)`` are, and ``[tail, L)`` (tokens
 since the last clustering) are attended at every step until ``decode_window`` of them are clustered.
+
+A left-padded batch is served in place when every row clusters at its prefill (:meth:`ClusterState.serves_padded`):
+row ``b`` (first real position ``f_b``) has its sinks at ``f_b + [0, sinks)`` and its prefill clusters from
+its own keys ``[f_b + sinks, L0)``, seeded as alone. The rows' cluster counts differ: a row's clusters are
+padded to the batch's largest count with size-0 clusters (never selected) and its order segment with -1
+(never read). Every row's clustered range ends at the same cache position ``L0``, so from there the
+recent range, the decode-time windows and the cluster budget are the batch's, as each row alone has them.
 
 With ``offload=True`` the whole KV lives in the host tier (the site's store, in CPU memory) and the
 device tier (:class:`DeviceTier`) holds the sinks, the recent tokens and the tokens of the clusters
@@ -144,7 +150,8 @@ class DeviceTier:
 
 
 class ClusterState(SiteState):
-    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+    # a padded batch is served in place where serves_padded says so, else row by row (kvpass.runtime.rows)
+    rows_native = False
 
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
@@ -159,6 +166,7 @@ class ClusterState(SiteState):
         self.plan = None  # (n_sinks, cluster positions or None, n_recent) made by the last fetch
         self.centroids: torch.Tensor | None = None
         self.sizes: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None
         self.order: torch.Tensor | None = None
         self.tail = 0  # first position not clustered (sinks excluded)
         self.clusterings = 0
@@ -173,7 +181,8 @@ class ClusterState(SiteState):
         return self.policy.offload and not self.dense
 
     def metadata_bytes(self) -> int:
-        meta = sum(t.numel() * t.element_size() for t in (self.centroids, self.sizes, self.order) if t is not None)
+        meta = sum(t.numel() * t.element_size() for t in (self.centroids, self.sizes, self.offsets, self.order)
+                   if t is not None)
         return meta + (self.tier.nbytes() if self.tier is not None else 0)
 
     def host_bytes(self) -> int:
@@ -195,7 +204,7 @@ class ClusterState(SiteState):
 
     def reorder_rows(self, rows: torch.Tensor) -> None:
         super().reorder_rows(rows)
-        for name in ("centroids", "sizes", "order"):
+        for name in ("centroids", "sizes", "offsets", "order"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
@@ -211,13 +220,71 @@ class ClusterState(SiteState):
         km = cosine_kmeans(keys, clusters, max_iters=p.kmeans_iters, seed=p.seed + self.clusterings)
         self.clusterings += 1
         self.kmeans_iters += km.iters
-        order = km.order + start
+        self._append(km.centroids, km.sizes, km.offsets, km.order + start)
+
+    def _append(self, centroids, sizes, offsets, order) -> None:
+        """Append clusters (``offsets (B, H_kv, C + 1)`` into their own ``order``) to the metadata."""
         if self.centroids is None:
-            self.centroids, self.sizes, self.order = km.centroids, km.sizes, order
-        else:
-            self.centroids = torch.cat([self.centroids, km.centroids], dim=2)
-            self.sizes = torch.cat([self.sizes, km.sizes], dim=2)
-            self.order = torch.cat([self.order, order], dim=2)
+            self.centroids, self.sizes, self.offsets, self.order = centroids, sizes, offsets, order
+            return
+        self.centroids = torch.cat([self.centroids, centroids], dim=2)
+        self.sizes = torch.cat([self.sizes, sizes], dim=2)
+        self.offsets = torch.cat([self.offsets[..., :-1], offsets + self.order.shape[2]], dim=2)
+        self.order = torch.cat([self.order, order], dim=2)
+
+    def serves_padded(self, first: list[int], length: int, new_tokens: int) -> bool:
+        """In place when every row clusters at this first forward, as it would alone (its clustered
+        range then ends where every other row's does). Offloading, and a batch with a row too short to
+        cluster yet (its own tail would differ), are served row by row."""
+        if self.dense:
+            return True  # exact attention with the model's mask
+        if self.offloading:
+            return False
+        p = self.policy
+        for f in first:
+            own = length - f
+            end = own if new_tokens > 1 else own - 1  # an adopting decode step keeps its token recent
+            if end - min(p.sinks, own) < p.tokens_per_cluster:
+                return False
+        return True
+
+    def _cluster_rows(self, call: AttentionCall) -> None:
+        """The start of a left-padded sequence served in place: each row's own keys after its sinks are
+        clustered as the prompt alone would cluster them (the same count and seed), and the rows' clusters
+        are stacked, padded with size-0 clusters and -1 order slots."""
+        from kvpass.lowering.dispatch import cosine_kmeans
+        from kvpass.runtime.rows import first_positions
+
+        p, length = self.policy, call.length
+        end = length if call.new_tokens > 1 else length - 1
+        kms = []
+        for b, f in enumerate(first_positions(call.valid, call.k.shape[0], "in its prefill")):
+            lo = f + min(p.sinks, length - f)
+            if end - lo < p.tokens_per_cluster:  # serves_padded sent such a batch row by row
+                raise KVPassError(f"kvpass: ClusterKV cannot serve batch row {b} in place: it has "
+                                  f"{end - lo} tokens to cluster, fewer than tokens_per_cluster")
+            km = cosine_kmeans(call.k[b : b + 1, :, lo:end], (end - lo) // p.tokens_per_cluster,
+                               max_iters=p.kmeans_iters, seed=p.seed + self.clusterings)
+            self.kmeans_iters += km.iters
+            kms.append((km, lo))
+        self.events += 1
+        self.clusterings += 1
+        b, h, _, d = call.k.shape
+        c = max(km.sizes.shape[2] for km, _ in kms)
+        n = max(km.order.shape[2] for km, _ in kms)
+        centroids = call.k.new_zeros((b, h, c, d), dtype=torch.float32)
+        sizes = torch.zeros((b, h, c), dtype=torch.int64, device=call.k.device)
+        offsets = torch.empty((b, h, c + 1), dtype=torch.int64, device=call.k.device)
+        order = torch.full((b, h, n), -1, dtype=torch.int64, device=call.k.device)
+        for r, (km, lo) in enumerate(kms):
+            cr, nr = km.sizes.shape[2], km.order.shape[2]
+            centroids[r, :, :cr] = km.centroids[0]
+            sizes[r, :, :cr] = km.sizes[0]
+            offsets[r, :, : cr + 1] = km.offsets[0]
+            offsets[r, :, cr + 1 :] = nr
+            order[r, :, :nr] = km.order[0] + lo
+        self._append(centroids, sizes, offsets, order)
+        self.tail = end
 
     def observe(self, call: AttentionCall) -> None:
         if self.dense:
@@ -225,7 +292,10 @@ class ClusterState(SiteState):
         p, length = self.policy, call.length
         if call.start == 0:
             self.tail = 0
-            self.centroids = self.sizes = self.order = None
+            self.centroids = self.sizes = self.offsets = self.order = None
+            if self.pad.padded:
+                self._cluster_rows(call)
+                return
         self.tail = max(self.tail, min(p.sinks, length))
         if call.new_tokens > 1 or call.start == 0:
             # (chunked) prefill, or a cache filled elsewhere being adopted: the new tail is clustered at
@@ -250,38 +320,74 @@ class ClusterState(SiteState):
     def cluster_scores(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, C) fp32: q·μ of each cluster for the decode query ``q (B, H_q, 1, D)``, the
         query group combined by ``policy.gqa``."""
-        b, h_kv, _, d = self.centroids.shape
-        q = q[:, :, 0].reshape(b, h_kv, -1, d).float()
-        if self.policy.gqa == "sum":
-            return torch.matmul(self.centroids, q.sum(2)[..., None])[..., 0]
-        return torch.matmul(q, self.centroids.transpose(-1, -2)).amax(2)
+        from kvpass.kernels.clusterkv import cluster_scores
 
-    def _plan(self, q: torch.Tensor, length: int):
-        """The step's selection: ``(n_sinks, cluster positions (B, H_kv, N) or None, n_recent)``, or None
-        when everything is attended."""
+        return cluster_scores(q[:, :, 0], self.centroids, self.policy.gqa)
+
+    def _budgets(self, length: int) -> tuple[int, int, int] | None:
+        """``(n_sinks, cluster slots, n_recent)`` of a step at ``length`` (they add up to the budget), or
+        None when every row fits in the budget (exact attention, as each alone)."""
         p = self.policy
-        if self.dense or length <= p.budget:
+        if self.dense or length - self.pad.first_min <= p.budget:
             return None
-        from kvpass.lowering.dispatch import select_clusters
-
-        n_sinks = min(p.sinks, length)
+        n_sinks = min(p.sinks, length)  # a row served in place is longer than its sinks
         tail = max(self.tail, n_sinks)
         # The recent tokens are always attended; more of them than the budget leaves keeps the newest.
         n_recent = min(length - tail, p.budget - n_sinks)
-        cluster_budget = p.budget - n_sinks - n_recent
+        return n_sinks, p.budget - n_sinks - n_recent, n_recent
+
+    def _plan(self, q: torch.Tensor, length: int):
+        """The offloading step's selection: ``(n_sinks, cluster positions (B, H_kv, N) or None, n_recent)``,
+        or None when everything is attended."""
+        budgets = self._budgets(length)
+        if budgets is None:
+            return None
+        from kvpass.lowering.dispatch import select_clusters
+
+        n_sinks, cluster_budget, n_recent = budgets
         picked = None
         if self.centroids is not None and cluster_budget > 0:
-            sizes = self.sizes
-            offsets = torch.nn.functional.pad(sizes.cumsum(-1), (1, 0))
-            picked = select_clusters(self.cluster_scores(q), sizes, offsets, self.order, cluster_budget)
+            picked = select_clusters(self.cluster_scores(q), self.sizes, self.offsets, self.order, cluster_budget)
         return n_sinks, picked, n_recent
 
+    def _select_in_c(self, q: torch.Tensor) -> bool:
+        from kvpass.kernels.clusterkv import cluster_select_cpu_available
+
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and type(q) is torch.Tensor
+                and q.stride(2) == 1 and cluster_select_cpu_available())
+
     def select(self, call: AttentionCall) -> torch.Tensor | None:
-        plan = self.plan if self.offloading else self._plan(call.q, call.length)
-        if plan is None:
+        if self.offloading:
+            return self._offload_idx(call)
+        budgets = self._budgets(call.length)
+        if budgets is None:
             return None
-        self._plan_of_step = plan
-        n_sinks, picked, n_recent = plan
+        from kvpass.kernels.clusterkv import cluster_select_cpu, cluster_select_torch
+
+        n_sinks, cluster_budget, n_recent = budgets
+        q, p = call.q[:, :, 0], self.policy
+        meta = (self.centroids, self.sizes, self.offsets, self.order)
+        if self.centroids is None:  # nothing clustered yet: the cluster slots stay empty
+            b, h, _, d = call.k.shape
+            meta = (q.new_zeros((b, h, 0, d), dtype=torch.float32),
+                    *(torch.zeros((b, h, n), dtype=torch.int64, device=q.device) for n in (0, 1, 0)))
+        self._plan_of_step = budgets
+        padded = self.pad.padded
+        # sinks, recalled clusters and recent tokens in one list; in a padded batch each row's own, and
+        # all of a row that fits the budget
+        args = (q, *meta, self.pad.first if padded else None, call.length, n_sinks, cluster_budget, n_recent,
+                p.budget if padded else -1, p.budget, p.gqa)
+        if self._select_in_c(q):
+            return cluster_select_cpu(*args)
+        from kvpass.lowering.dispatch import select_clusters
+
+        return cluster_select_torch(*args, select=select_clusters)
+
+    def _offload_idx(self, call: AttentionCall) -> torch.Tensor | None:
+        """The positions the offloading step attends (the plan its fetch made), for reports and probes."""
+        if self.plan is None:
+            return None
+        n_sinks, picked, n_recent = self.plan
         b, h_kv = call.k.shape[:2]
         dev = picked.device if picked is not None else call.k.device
         parts = [torch.arange(n_sinks, device=dev).expand(b, h_kv, -1)]
@@ -367,16 +473,20 @@ class ClusterState(SiteState):
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
         if not self.offloading:
             q = call.q
-            if q.device.type != "cpu" or q.dtype != torch.float32 or call.k.dtype != q.dtype or call.valid is not None:
+            if q.device.type != "cpu" or q.dtype != torch.float32 or call.k.dtype != q.dtype:
                 return super().attend_selected(call, idx)
-            out = self.attend_listed_in_c(call, idx)  # sinks, recalled clusters, recent tokens as listed
+            # sinks, recalled clusters, recent tokens as listed; a padded row's list is its own tokens
+            out = self.attend_listed_in_c(call, idx, lists_padding=False)
             if out is not None:
                 return out
+            if call.valid is not None:
+                return super().attend_selected(call, idx)
             # the sinks and the recent tokens are two ranges of the cache, attended in place; only the
             # recalled clusters' tokens are gathered
             from kvpass.kernels.sparse_attention import segments_decode_attention
 
-            n_sinks, picked, n_recent = self._plan_of_step
+            n_sinks, cluster_budget, n_recent = self._plan_of_step
+            picked = idx[..., n_sinks : n_sinks + cluster_budget] if cluster_budget else None
             ranges = [r for r in ((0, n_sinks), (call.length - n_recent, call.length)) if r[1] > r[0]]
             return segments_decode_attention(q[:, :, 0], call.k_logical, call.v_logical, ranges, call.scale,
                                              picked, self.workspace).unsqueeze(2)

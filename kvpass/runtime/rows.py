@@ -218,19 +218,21 @@ def run_owned(st: SiteState, q, k_new, v_new, past_k, past_v, attn_mask, scale, 
         return st.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
     # an event (prefill, chunk, reorder, crop, adopted cache): the mask and the stub are read
     rows = st.stubs.rows(past_k) if past else None
-    if split is not None and rows is not None:
-        if past != split.length:
+    if rows is not None and (split is not None or st.in_place):
+        held = split.length if split is not None else st.length
+        if past != held:
             raise KVPassError(
-                f"kvpass: {st.policy.name} cannot roll back a left-padded batch served row by row (the model's "
-                f"cache says {past} tokens, this site holds {split.length}); assisted decoding and cache crops "
-                "need unpadded batches"
+                f"kvpass: {st.policy.name} cannot roll back a left-padded batch (the model's cache says {past} "
+                f"tokens, this site holds {held}); assisted decoding and cache crops need unpadded batches"
             )
+        if split is None:  # served in place: the store and the state follow a reorder themselves
+            return st.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
         if rows is not SAME:
             split.reorder(rows, past)
         return split.forward_owned(q, k_new, v_new, attn_mask, scale, is_causal)
     valid = valid_from_mask(attn_mask, past + t)
     if valid is None:
-        st.split = None
+        st.split, st.in_place = None, False
         return st.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
     if rows is not None:
         raise KVPassError(
@@ -238,6 +240,9 @@ def run_owned(st: SiteState, q, k_new, v_new, past_k, past_v, attn_mask, scale, 
             f"({st.policy.name}, {past} cached tokens); pass the whole padded prompt in the first forward"
         )
     first = first_positions(valid, q.shape[0], "in its prefill")
+    if st.serves_padded(first, past + t, t):
+        st.split, st.in_place = None, True
+        return st.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
     _start(st, first, past)
     return st.split.forward_owned(q, k_new, v_new, attn_mask, scale, is_causal,
                                   adopt=(past_k, past_v) if past else None)
@@ -249,16 +254,24 @@ def run(st: SiteState, call: AttentionCall, static: bool) -> torch.Tensor:
     if split is not None and call.past == split.length and call.past:
         check_rows_kept(st, call)  # the row states cannot see a reorder of the model's cache
         return split.forward(call, static)
+    if st.in_place and call.past == st.length and call.past:
+        return st.forward(call, static=static)  # it checks the rows were kept itself
     valid = valid_from_mask(call.attn_mask, call.length)
     if valid is None:
-        st.split = None
+        st.split, st.in_place = None, False
         return st.forward(call, static=static)
-    _start(st, first_positions(valid, call.q.shape[0], "in its first forward"), call.past)
+    first = first_positions(valid, call.q.shape[0], "in its first forward")
+    if st.serves_padded(first, call.length, call.new_tokens):
+        st.split, st.in_place = None, True
+        call.start = 0  # a new sequence for this state: its metadata is built from the cache
+        return st.forward(call, static=static)
+    _start(st, first, call.past)
     st.tail_key = call.k[:, :, call.length - 1].clone()
     return st.split.forward(call, static)
 
 
 def _start(st: SiteState, first: list[int], past: int) -> None:
+    st.in_place = False
     st.reset()  # a new sequence: the epoch moves on (stubs of the last one are refused)
     st.store.clear()  # the rows hold their own keys; the batched store would only hold memory
     st.split = RowSplit(st, first, past)

@@ -321,6 +321,9 @@ class SiteState:
         self.epoch = 0
         self.static_ptr = 0  # the storage of the static cache this sequence runs on (0: none)
         self.batch = 1  # rows of the last step
+        # a state that is not rows_native serves this left-padded sequence itself (serves_padded said so
+        # where it started); set by kvpass.runtime.rows at every start, kept by reset()
+        self.in_place = False
         self.reset()
 
     # -- the runtime's entry points: the policy's own step, or one state per row of a padded batch --
@@ -367,6 +370,12 @@ class SiteState:
                 return False
             split.reorder(rows, past)
         return True
+
+    def serves_padded(self, first: list[int], length: int, new_tokens: int) -> bool:
+        """Whether a state that is not ``rows_native`` serves a left-padded sequence itself: rows whose
+        first real positions are ``first``, starting with a forward of ``new_tokens`` tokens that ends at
+        ``length``. Asked once, where the sequence starts; False sends it row by row (:mod:`kvpass.runtime.rows`)."""
+        return False
 
     def all_events(self) -> int:
         """Scheduled events of this site, its per-row states included."""
