@@ -24,8 +24,9 @@ SMALL = {
 
 
 # The policies that keep per-row metadata: a left-padded batch is served row by row
-# (kvpass/runtime/rows.py), or in place with each row's own pages (Quest); tests/test_padded.py compares
-# their rows' selections with each prompt alone. Full and StreamingLLM only mask the padding.
+# (kvpass/runtime/rows.py), or in place with each row's own pages or clusters (Quest, ClusterKV);
+# tests/test_padded.py compares their rows' selections with each prompt alone. Full and StreamingLLM only
+# mask the padding.
 SPLIT = ["Quest", "ClusterKV", "CentroidKV", "TailorKV"]
 
 

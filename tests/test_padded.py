@@ -42,7 +42,7 @@ def selection(st) -> tuple:
 
 def row_selections(st, batch: int) -> list[tuple]:
     """:func:`selection` of each batch row: the row states of a batch served row by row, or the rows of
-    a state that serves padding in place (Quest), whose positions are shifted to the row's own (its
+    a state that serves padding in place (Quest, ClusterKV), whose positions are shifted to the row's own (its
     first real token is position 0), as ``("idx", (1, H_kv, N))`` or ``("all", n_tokens)``."""
     if st.split is not None:
         return [selection(x) for x in st.split.subs]

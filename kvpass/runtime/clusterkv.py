@@ -377,7 +377,7 @@ class ClusterState(SiteState):
         # all of a row that fits the budget
         args = (q, *meta, self.pad.first if padded else None, call.length, n_sinks, cluster_budget, n_recent,
                 p.budget if padded else -1, p.budget, p.gqa)
-        if self._select_in_c(q):
+        if self._select_in_c(q) and meta[0].dtype == torch.float32 and meta[0].stride(3) == 1:
             return cluster_select_cpu(*args)
         from kvpass.lowering.dispatch import select_clusters
 

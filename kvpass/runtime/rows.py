@@ -1,9 +1,11 @@
 """Left-padded batches served row by row (invariant 10: each row as that prompt alone).
 
-A policy whose metadata is laid out per batch (Quest's pages, ClusterKV's clusters, CentroidKV's merged
-slots, TailorKV's quantisation groups and host tier) would mix padding into a row's pages, clusters,
-merges or groups, or shift a row's page boundaries by its padding. Such a state (``rows_native`` False)
-serves a left-padded batch through a :class:`RowSplit`: one state of the same policy per batch row, fed
+A policy whose metadata is laid out per batch (ClusterKV's clusters, CentroidKV's merged slots,
+TailorKV's quantisation groups and host tier) would mix padding into a row's clusters, merges or groups,
+or shift a row's group boundaries by its padding. Such a state (``rows_native`` False) is asked once,
+where a padded sequence starts, whether it serves it itself (``SiteState.serves_padded``: ClusterKV
+when every row clusters at its prefill; ``in_place`` then holds for the sequence). Otherwise it serves
+a left-padded batch through a :class:`RowSplit`: one state of the same policy per batch row, fed
 that row's real tokens only, in the row's own positions (position 0 is the row's first real token). Each
 row's state is exactly the state the prompt would have alone, so its selection, its merges and its
 quantisation are the alone run's; padding is never selected, merged, quantised or counted in a budget.
