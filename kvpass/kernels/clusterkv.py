@@ -877,15 +877,17 @@ def cluster_select_torch(
     ``[length - n_recent, length)``. Metadata shapes as in the module docstring; q ``(B, H_q, D)``."""
     b, h = centroids.shape[:2]
     dev = q.device
-    f = _first_rows(first, b, dev)[:, None, None]
-    parts = [(f + torch.arange(n_sinks, device=dev)).expand(b, h, -1)]
+    from kvpass.kernels.sparse_attention import sinks_picked_recent
+
+    f = _first_rows(first, b, dev)
+    picked = None
     if cluster_budget > 0:
-        parts.append(select(cluster_scores(q, centroids, gqa), sizes, offsets, order, cluster_budget))
-    parts.append(torch.arange(length - n_recent, length, device=dev).expand(b, h, -1))
-    idx = torch.cat(parts, dim=-1)
+        picked = select(cluster_scores(q, centroids, gqa), sizes, offsets, order, cluster_budget)
+    idx = sinks_picked_recent(b, h, n_sinks, picked, n_recent, length, dev, f)
     idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1)[..., :width]
     if cover < 0:
         return idx
+    f = f[:, None, None]
     own = f + torch.arange(width, device=dev)
     return torch.where(length - f <= cover, torch.where(own < length, own, -1), idx)
 

@@ -30,7 +30,7 @@ import torch
 from . import cpu_decode
 from ._triton import require_triton, tl, triton
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
+__all__ = ["sinks_picked_recent", "sparse_decode_attention", "sparse_decode_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -337,6 +337,21 @@ def sparse_decode_attention(
 # The gathered path reads the selected rows twice (the gather's copy, then SDPA) and writes them once; the
 # masked dense path reads every row once: it is the cheaper one from a third of the rows on
 DENSE_FROM = 1 / 3
+
+
+def sinks_picked_recent(batch: int, heads: int, n_sinks: int, picked: torch.Tensor | None, n_recent: int,
+                        length: int, device, first: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, H, n_sinks + N + n_recent)`` int64 positions of a selection made of three parts: each row's sinks
+    ``f_b + [0, n_sinks)`` (``first (B,)`` or ``(1,)``; None: 0), ``picked (B, H, N)`` (None: no part), then
+    the recent tokens ``[length - n_recent, length)``."""
+    sinks = torch.arange(n_sinks, device=device)
+    if first is not None:
+        sinks = first.to(device=device, dtype=torch.int64).expand(batch)[:, None, None] + sinks
+    parts = [sinks.expand(batch, heads, -1)]
+    if picked is not None:
+        parts.append(picked.to(device))
+    parts.append(torch.arange(length - n_recent, length, device=device).expand(batch, heads, -1))
+    return torch.cat(parts, dim=-1)
 
 
 def use_dense(n: int, length: int) -> bool:

@@ -253,12 +253,12 @@ class ClusterState(SiteState):
         clustered as the prompt alone would cluster them (the same count and seed), and the rows' clusters
         are stacked, padded with size-0 clusters and -1 order slots."""
         from kvpass.lowering.dispatch import cosine_kmeans
-        from kvpass.runtime.rows import first_positions
 
         p, length = self.policy, call.length
         end = length if call.new_tokens > 1 else length - 1
         kms = []
-        for b, f in enumerate(first_positions(call.valid, call.k.shape[0], "in its prefill")):
+        # the rows' first positions were checked (left padding only) where the sequence started
+        for b, f in enumerate(self.pad.first.expand(call.k.shape[0]).tolist()):
             lo = f + min(p.sinks, length - f)
             if end - lo < p.tokens_per_cluster:  # serves_padded sent such a batch row by row
                 raise KVPassError(f"kvpass: ClusterKV cannot serve batch row {b} in place: it has "
@@ -387,14 +387,11 @@ class ClusterState(SiteState):
         """The positions the offloading step attends (the plan its fetch made), for reports and probes."""
         if self.plan is None:
             return None
+        from kvpass.kernels.sparse_attention import sinks_picked_recent
+
         n_sinks, picked, n_recent = self.plan
-        b, h_kv = call.k.shape[:2]
         dev = picked.device if picked is not None else call.k.device
-        parts = [torch.arange(n_sinks, device=dev).expand(b, h_kv, -1)]
-        if picked is not None:
-            parts.append(picked)
-        parts.append(torch.arange(call.length - n_recent, call.length, device=dev).expand(b, h_kv, -1))
-        return torch.cat(parts, dim=-1)
+        return sinks_picked_recent(*call.k.shape[:2], n_sinks, picked, n_recent, call.length, dev)
 
     # -- offload ---------------------------------------------------------------------------------
     def fetch(self, q: torch.Tensor, past: int) -> torch.Tensor:

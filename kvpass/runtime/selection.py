@@ -176,11 +176,12 @@ class QuestState(SiteState):
         padded = self.pad.padded
         # padded rows differ in length: a row that fits in the budget takes all its pages
         n_pages = max(n, -(-budget // ps) - 1) if padded else min(n, pages - 1)
-        if padded or self._top_in_c(q):
+        in_c = self._top_in_c(q)
+        if padded or in_c:
             # scoring, the top pages (ascending, then the newest) and their token positions in one C call
             from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
-            select = quest_select_cpu if self._top_in_c(q) else quest_select_torch
+            select = quest_select_cpu if in_c else quest_select_torch
             self.pages, idx = select(q, self.meta, self.pad.first if padded else None, length, ps, budget, n,
                                      n_pages, self.policy.gqa)
             return idx

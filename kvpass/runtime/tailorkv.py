@@ -479,14 +479,10 @@ class TailorState(SiteState):
 
     def _selection(self, call) -> torch.Tensor:
         """(B, H_kv, N) positions attended at this step (for reports and the recall probe)."""
+        from kvpass.kernels.sparse_attention import sinks_picked_recent
+
         n_s, picked, n_r = self.plan
-        b, h = call.k.shape[:2]
-        dev = call.k.device
-        parts = [torch.arange(n_s, device=dev).expand(b, h, -1)]
-        if picked is not None:
-            parts.append(picked.to(dev))
-        parts.append(torch.arange(call.length - n_r, call.length, device=dev).expand(b, h, -1))
-        return torch.cat(parts, -1)
+        return sinks_picked_recent(*call.k.shape[:2], n_s, picked, n_r, call.length, call.k.device)
 
     def _attend_sparse(self, q, scale) -> torch.Tensor:
         from kvpass.lowering.dispatch import sparse_attention
