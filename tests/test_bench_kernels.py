@@ -71,7 +71,7 @@ def test_cpu_paths_compare_each_c_kernel_with_the_torch_path_it_replaces():
     from kvpass.bench.kernels import QUICK_CPU_PATH_SHAPES, benchmark_cpu_paths
 
     rows = benchmark_cpu_paths(quick=True)  # each row also checks that both give the same result
-    names = {"attend_all", "attend_listed", "quest_top_pages", "cluster_recall"}
+    names = {"attend_all", "attend_listed", "quest_top_pages", "cluster_recall", "tailor_select"}
     assert {(r["kernel"], r["B"]) for r in rows} == {(k, s.B) for k in names for s in QUICK_CPU_PATH_SHAPES}
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)

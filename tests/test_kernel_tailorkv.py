@@ -16,14 +16,20 @@ from hypothesis import strategies as st
 from kvpass.kernels.sparse_attention import sparse_decode_attention_ref
 from kvpass.kernels.tailorkv import (
     QuantizedKV,
+    cosine_sum_cpu,
+    cpu_select_available,
     critical_channels,
+    critical_channels_cpu,
     dequantize,
     partial_topk,
     partial_topk_ref,
+    quant_attention_cpu_supports,
     quant_decode_attention,
+    quant_decode_attention_cpu,
     quant_decode_attention_ref,
     quantize_pack,
     quantize_pack_ref,
+    tailor_select_cpu,
 )
 from strategies import (
     DTYPES,
@@ -305,6 +311,37 @@ def test_attention_kernel_on_exact_cache_equals_plain_attention(p: QuantAttentio
     out = quant_decode_attention(q, kq, vq, k_res, v_res, scale=0.2)
     want = sparse_decode_attention_ref(q, torch.cat([k, k_res], 2), torch.cat([v, v_res], 2), scale=0.2)
     assert_attention_close(out, want, q, kq, vq, k_res, v_res, scale=0.2)
+    if p.dtype == torch.float32:  # the CPU's C kernel, against the same independent attention
+        out = quant_decode_attention_cpu(q, kq, vq, k_res, v_res, scale=0.2)
+        assert_attention_close(out, want, q, kq, vq, k_res, v_res, scale=0.2)
+
+
+@given(p=quant_attention_problems())
+def test_attention_cpu_kernel_matches_ref(p: QuantAttentionProblem):
+    """The C kernel (fp32 CPU): the codes unpacked in registers, against dequantise-then-attend."""
+    q, kq, vq, k_res, v_res = make_quant_attention_inputs(p)
+    q, k_res, v_res = q.float(), k_res.float(), v_res.float()
+    if not quant_attention_cpu_supports(q, kq, vq, k_res, v_res):
+        assert p.layout == "d_strided" or p.q_strided  # a last dim that is not contiguous: the torch path
+        q, k_res, v_res = q.contiguous(), k_res.contiguous(), v_res.contiguous()
+    out = quant_decode_attention_cpu(q, kq, vq, k_res, v_res)
+    assert out.dtype == torch.float32 and out.shape == (p.B, p.H_q, p.D) and not out.isnan().any()
+    assert_attention_close(out, quant_decode_attention_ref(q, kq, vq, k_res, v_res), q, kq, vq, k_res, v_res)
+
+
+@pytest.mark.parametrize("bits", [(1, 1), (2, 2), (1, 2)])
+def test_attention_cpu_kernel_off_the_vector_path(bits):
+    """head_dim 24 (not a multiple of 16: the scalar loops) and a group of 16 queries, the most it serves."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 32, 24, generator=gen)
+    k, v = torch.randn(1, 2, 48, 24, generator=gen), torch.randn(1, 2, 48, 24, generator=gen)
+    kq, vq = quantize_pack_ref(k, bits[0], 8, "channel"), quantize_pack_ref(v, bits[1], 8, "token")
+    kr, vr = torch.randn(1, 2, 5, 24, generator=gen), torch.randn(1, 2, 5, 24, generator=gen)
+    want = quant_decode_attention_ref(q, kq, vq, kr, vr)
+    assert_attention_close(quant_decode_attention_cpu(q, kq, vq, kr, vr), want, q, kq, vq, kr, vr)
+    assert not quant_attention_cpu_supports(torch.randn(1, 34, 24), kq, vq, kr, vr)  # a group of 17
+    with pytest.raises(ValueError, match="query group"):
+        quant_decode_attention_cpu(q.half(), kq, vq, kr.half(), vr.half())
 
 
 def _explicit(S_q, R, G, dtype=torch.float32, bits=(1, 2), seed=0):
@@ -589,3 +626,106 @@ def test_int32_channels_and_critical_channels_pipeline():
     r = partial_topk_ref(q, k_ch, ch.to(torch.int32), p.k, length)
     torch.testing.assert_close(a[1], r[1], atol=TOL_SCORES[0], rtol=TOL_SCORES[1])
 
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: the C channels, step list and cosine (kvpass.kernels.tailorkv, "CPU")
+# --------------------------------------------------------------------------------------------------
+
+def test_cpu_kernels_are_built():
+    # the project's set-up has a C compiler (Inductor's): these kernels are what CPU users run
+    assert cpu_select_available()
+
+
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=HEAD_DIMS, n_frac=st.floats(0, 1),
+       nan=st.booleans(), seed=SEEDS)
+def test_critical_channels_cpu_match_naive_loop(B, H_kv, G, D, n_frac, nan, seed):
+    """Small integers: exact scores and frequent ties (ties -> lower channel); a NaN query channel ranks
+    first, as torch.sort(descending=True) ranks it."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (B, H_kv * G, D), generator=gen).float()
+    kabs_max = torch.randint(0, 4, (B, H_kv, D), generator=gen).float()
+    if nan:
+        q[0, 0, D // 2] = float("nan")
+    n = round(n_frac * D)
+    got = critical_channels_cpu(q, kabs_max, n)
+    assert got.dtype == torch.int64 and got.shape == (B, H_kv, n)
+    assert torch.equal(got, critical_channels(q, kabs_max, n))
+    if not nan:
+        assert torch.equal(got, naive_critical_channels(q, kabs_max, n))
+
+
+def naive_step_list(q, kT, ch, n_s, mid_end, k, n_r):
+    """Python loops: sinks, the k best candidates by (score desc, position asc) in position order, recent."""
+    B, H_q, _ = q.shape
+    H = kT.shape[1]
+    G = H_q // H
+    rows = []
+    for b in range(B):
+        for h in range(H):
+            qs = q[b, h * G : (h + 1) * G].double().sum(0)
+            picked = list(range(n_s, mid_end))
+            if mid_end - n_s > k:
+                s = {}
+                for t in picked:
+                    x = sum(float(qs[c]) * float(kT[b, h, c, t]) for c in ch[b, h].tolist())
+                    s[t] = -math.inf if math.isnan(x) else x
+                picked = sorted(sorted(picked, key=lambda t: (-s[t], t))[:k])
+            rows.append(list(range(n_s)) + picked + list(range(mid_end, mid_end + n_r)))
+    return torch.tensor(rows, dtype=torch.int64).view(B, H, -1)
+
+
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=st.sampled_from([4, 16]),
+       S=st.integers(0, 90), n_s=st.integers(0, 6), n_r=st.integers(0, 6), k=st.integers(0, 40),
+       c=st.integers(1, 4), nan=st.booleans(), seed=SEEDS)
+def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, nan, seed):
+    """Integer queries and keys: exact scores with many ties; every range may be empty, k may cover every
+    candidate or be 0, the channels may repeat, and a NaN key scores -inf (ranked with the lowest)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_s, n_r = min(n_s, S), min(n_r, max(S - n_s, 0))
+    mid_end = S - n_r
+    q = torch.randint(-3, 4, (B, H_kv * G, D), generator=gen).float()
+    kT = torch.randint(-3, 4, (B, H_kv, D, S + 5), generator=gen).float()  # a capacity past S
+    kT[..., S:] = 1e6  # never read
+    ch = torch.randint(0, D, (B, H_kv, min(c, D)), generator=gen)
+    if nan and mid_end > n_s:
+        kT[0, 0, ch[0, 0, 0], n_s] = float("nan")
+    got = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r)
+    assert torch.equal(got, naive_step_list(q, kT, ch, n_s, mid_end, k, n_r))
+
+
+def test_tailor_select_cpu_equals_partial_topk_on_random_keys():
+    """Gaussian scores (no ties): the same top k as partial_topk_ref over the prefetched channels."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, G, D, S, k = 2, 3, 3, 64, 3000, 700
+    q = torch.randn(B, H * G, D, generator=gen)
+    K = torch.randn(B, H, S, D, generator=gen)
+    ch = critical_channels(q, K.abs().amax(2), 8)
+    got = tailor_select_cpu(q, K.transpose(2, 3).contiguous(), ch, 16, S - 100, k, 100)
+    k_ch = torch.gather(K[:, :, 16 : S - 100], 3, ch[:, :, None, :].expand(-1, -1, S - 116, -1))
+    idx, _ = partial_topk_ref(q, k_ch, ch, k, S - 116)
+    assert torch.equal(got[..., 16 : 16 + k], (idx + 16).sort(-1).values)
+    assert torch.equal(got[..., :16], torch.arange(16).expand(B, H, 16))
+    assert torch.equal(got[..., 16 + k :], torch.arange(S - 100, S).expand(B, H, 100))
+
+
+def test_tailor_cpu_refusals():
+    q, kT = torch.randn(1, 6, 8), torch.randn(1, 2, 8, 30)
+    ch = torch.tensor([[[0, 9], [1, 2]]])  # channel 9 of 8
+    with pytest.raises(ValueError, match=r"in \[0, D=8\)"):
+        tailor_select_cpu(q, kT, ch, 2, 20, 4, 5)
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        tailor_select_cpu(q.half(), kT, ch, 2, 20, 4, 5)
+    with pytest.raises(ValueError, match="mid_end"):
+        tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 28, 4, 5)  # past the capacity
+    with pytest.raises(ValueError, match="0 <= n <= D"):
+        critical_channels_cpu(q, kT[..., 0], 9)
+
+
+def test_cosine_sum_cpu_equals_torch():
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3, 9, 64, generator=gen), torch.randn(3, 9, 64, generator=gen)
+    b[0, 0] = a[0, 0] * 2  # cos 1
+    b[1, 1] = 0.0  # a zero row: 0
+    want = F.cosine_similarity(a, b, dim=-1).sum().item()
+    assert abs(cosine_sum_cpu(a, b) - want) < 1e-5

@@ -156,7 +156,14 @@ def _sparse_oracle(q_hat, q, k_past, policy):
     ],
 )
 @pytest.mark.parametrize("estimated", [False, True])
-def test_sparse_layer_attends_the_oracles_tokens(kw, estimated):
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_sparse_layer_attends_the_oracles_tokens(kw, estimated, path, monkeypatch):
+    """Both CPU paths: the C kernels reading the host tier in place, and the torch ops that copy the
+    device tier (what runs without a compiler, and the GPU path's logic)."""
+    from kvpass.kernels import tailorkv as kernels
+
+    if path == "torch":
+        monkeypatch.setattr(kernels, "cpu_select_available", lambda: False)
     policy = TailorKV(**kw)  # profile=None: every layer sparse
     noise = torch.Generator().manual_seed(9)
     hats = []
@@ -178,12 +185,31 @@ def test_sparse_layer_attends_the_oracles_tokens(kw, estimated):
         ref = attend_oracle(q, k, v, {key: sorted(s) for key, s in want.items()}, 1 / math.sqrt(q.shape[-1]))
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
     assert st_.tier == "sparse" and st_.host_bytes() > 0 and st_.bytes_moved > 0
+    assert st_.in_c == (path == "c")
     if estimated:
         want_cos = sum(float(torch.nn.functional.cosine_similarity(h[:, :, 0], q_, dim=-1).mean())
                        for h, (q_, *_) in zip(hats, steps)) / len(steps)
         assert st_.estimate_cosine() == pytest.approx(want_cos, abs=1e-5)
     else:
         assert math.isnan(st_.estimate_cosine())
+
+
+def test_sparse_layers_report_the_same_bytes_on_both_cpu_paths(monkeypatch):
+    """The C path reads the host tier in place, yet reports the device tier and the bytes moved between
+    tiers as the copying path does: what the method holds and moves on a GPU."""
+    from kvpass.kernels import tailorkv as kernels
+
+    policy = TailorKV(sparse_budget=40, static_tokens=20, sinks=4, critical_channels=3)
+    got = []
+    for path in ("c", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(kernels, "cpu_select_available", lambda: False)
+        rt = Runtime(policy)
+        prefill_then_decode(policy, length=120, steps=3, owned=True, rt=rt)
+        st_ = rt.state(0)
+        assert st_.in_c == (path == "c")
+        got.append((st_.kv_bytes, st_.bytes_moved, st_.prefetched, st_.host_bytes()))
+    assert got[0] == got[1]
 
 
 # -- quantised layers against a hand-written 1-bit cache -----------------------------------------------
@@ -329,8 +355,9 @@ def test_refusals_name_the_fix():
 
 # -- beam search: the state follows the batch reordering ---------------------------------------------
 def _row_tensors(st) -> dict:
-    """Every per-row tensor a site holds (the live part), by name: the host tier, the device tier and
-    the channel maxima of a sparse layer; the packed codes, scales, zeros and residual of a quantised one."""
+    """Every per-row tensor a site holds (the live part), by name: the host tier, the device tier (none on
+    the CPU's in-place path) and the channel maxima of a sparse layer; the packed codes, scales, zeros and
+    residual of a quantised one."""
     if st.tier == "quantised":
         kq, vq = st.packed.views()
         out = {f"k{n}": getattr(kq, n) for n in ("packed", "scale", "zero")}
@@ -340,7 +367,7 @@ def _row_tensors(st) -> dict:
         hk, hv = st.store.views()
         out = {"host_k": hk, "host_v": hv, "kT": st.kT[..., : st.store.length], "sink_k": st.sink_k,
                "sink_v": st.sink_v, "rec_k": st.rec_k, "rec_v": st.rec_v, "kabs": st.kabs}
-    return {name: t.clone() for name, t in out.items()}
+    return {name: t.clone() for name, t in out.items() if t is not None}
 
 
 def _assert_rows_equal(got: dict, want: dict, where: str) -> None:

@@ -407,14 +407,19 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     - ``cluster_recall``: ``C = S // 80`` clusters, budget ``N``:
       :func:`~kvpass.kernels.clusterkv.select_clusters_cpu` against
       :func:`~kvpass.kernels.clusterkv.select_clusters_ref`; bytes as for ``select_clusters``.
+    - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
+      ``N - 128`` fetched: :func:`~kvpass.kernels.tailorkv.critical_channels_cpu` +
+      :func:`~kvpass.kernels.tailorkv.tailor_select_cpu` against the torch path (the channels, their rows
+      copied from the channel-major keys, :func:`~kvpass.kernels.tailorkv.partial_topk_ref`, the list);
+      bytes: the channel rows read and the list written.
 
     Raises RuntimeError where the C kernels are not built."""
-    from kvpass.kernels import clusterkv, cpu_decode, quest
+    from kvpass.kernels import clusterkv, cpu_decode, quest, tailorkv
     from kvpass.kernels import sparse_attention as sa
     from kvpass.runtime.state import Workspace
 
     if not (cpu_decode.available() and quest.quest_top_pages_cpu_available()
-            and clusterkv.select_clusters_cpu_available()):
+            and clusterkv.select_clusters_cpu_available() and tailorkv.cpu_select_available()):
         raise RuntimeError("kvpass: benchmark_cpu_paths needs the C kernels (KVPASS_NATIVE=0 or no C compiler)")
     shapes = shapes or (QUICK_CPU_PATH_SHAPES if quick else CPU_PATH_SHAPES)
     rows: list[dict] = []
@@ -462,6 +467,28 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             BH = s.B * s.H_kv
             add("cluster_recall", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 BH * (20 * scores.shape[2] + 8 + 16 * s.N))
+            del scores, sizes, offsets, order
+
+            # TailorKV's sparse layer: channels from the estimate, the top-k from the true query, the list
+            q, k, _, _ = _sparse_inputs(s, "cpu", torch.float32, seed=3)
+            kT, kabs, n_ch, sinks, recent = k.transpose(2, 3).contiguous(), k.abs().amax(2), 8, 16, 112
+            mid_end, top = s.S - recent, s.N - 128
+            c = lambda: tailorkv.tailor_select_cpu(  # noqa: E731
+                q, kT, tailorkv.critical_channels_cpu(q, kabs, n_ch), sinks, mid_end, top, recent)
+
+            def t():
+                from kvpass.kernels.sparse_attention import sinks_picked_recent
+                from kvpass.runtime.tailorkv import take_rows
+
+                ch = tailorkv.critical_channels(q, kabs, n_ch)
+                k_ch = take_rows(kT, ch)[..., sinks:mid_end].contiguous().transpose(2, 3)
+                idx, _ = tailorkv.partial_topk_ref(q, k_ch, ch, top, mid_end - sinks)
+                return sinks_picked_recent(s.B, s.H_kv, sinks, idx + sinks, recent, s.S, q.device)
+
+            assert torch.equal(c()[..., sinks : sinks + top], t()[..., sinks : sinks + top].sort(-1).values)
+            add("tailor_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                BH * (n_ch * (mid_end - sinks) * 4 + 8 * s.N), {"N": s.N - 128 + sinks + recent})
+            del q, k, kT, kabs
     return rows
 
 

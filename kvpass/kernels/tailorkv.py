@@ -47,6 +47,7 @@ serves the G query heads of a KV head, so packed K/V are read once per KV head.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -821,3 +822,510 @@ def partial_topk_ref(
         live = torch.matmul(k_ch[:, :, :length].float(), q_sum[..., None])[..., 0]
         approx[:, :, :length] = live
     return _topk_positions(approx, k, length), approx
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: a sparse layer's channels and its whole step list in C
+# --------------------------------------------------------------------------------------------------
+# On a CPU the host tier is the device's own memory: the fetch scores the candidates from the host tier's
+# channel-major keys in place (the rows a GPU's prefetch copies) and lists the positions the attention
+# reads in place (kvpass.kernels.cpu_decode). Two C calls replace some twenty torch ops a site.
+
+_CPU_SOURCE = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. */
+static inline uint32_t fkey(float s, uint32_t nan_key) {
+    if (s != s) return nan_key;
+    if (s == 0.f) s = 0.f;
+    uint32_t u;
+    memcpy(&u, &s, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+static inline void swap64(uint64_t *a, uint64_t *b) { uint64_t t = *a; *a = *b; *b = t; }
+
+/* The k-th largest of x[0, n) (k in [1, n]); reorders x. Keys are distinct. For the D channels. */
+static uint64_t kth_largest(uint64_t *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (x[mid] > x[lo]) swap64(&x[mid], &x[lo]);
+        if (x[hi] > x[lo]) swap64(&x[hi], &x[lo]);
+        if (x[mid] > x[hi]) swap64(&x[mid], &x[hi]);
+        uint64_t p = x[hi]; /* median of three, descending partition */
+        int64_t s = lo;
+        for (int64_t i = lo; i < hi; i++)
+            if (x[i] > p) swap64(&x[i], &x[s++]);
+        swap64(&x[s], &x[hi]);
+        if (s == want) return x[s];
+        if (s < want) lo = s + 1; else hi = s - 1;
+    }
+    return x[lo];
+}
+
+/* The cut of the k largest of key[0, n) (1 <= k < n) by a radix select on 11/11/10 bits: every key
+   above *cut is taken, and the first *eq keys equal to it (in position order: ties to the lower
+   position). The first pass counts all n keys (an L1-sized histogram); the next ones only the keys of
+   the bucket that holds the cut, copied to sub (n). */
+static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, uint32_t *cut, int64_t *eq) {
+    static const int shift[3] = {21, 10, 0};
+    static const uint32_t width[3] = {2048, 2048, 1024};
+    uint32_t hist[2048], prefix = 0, pmask = 0;
+    const uint32_t *x = key;
+    int64_t need = k, m = n;
+    for (int lv = 0; lv < 3; lv++) {
+        memset(hist, 0, sizeof hist);
+        uint32_t bm = width[lv] - 1;
+        for (int64_t t = 0; t < m; t++) hist[(x[t] >> shift[lv]) & bm]++;
+        int64_t b = (int64_t)width[lv] - 1, above = 0;
+        while (above + hist[b] < need) above += hist[b--];
+        need -= above;
+        prefix |= (uint32_t)b << shift[lv];
+        pmask |= bm << shift[lv];
+        if ((int64_t)hist[b] == need) { *cut = prefix; *eq = INT64_MAX; return; } /* the whole bucket */
+        int64_t j = 0;
+        for (int64_t t = 0; t < m; t++) { sub[j] = x[t]; j += (x[t] & pmask) == prefix; }
+        x = sub;
+        m = j;
+    }
+    *cut = prefix;
+    *eq = need;
+}
+
+/* critical_channels per (b, h): s_i = sum_g |q_{g,i}| * kabs_i, the n best (ties to the lower channel,
+   NaN first as torch.sort ranks it), written in ascending channel order. */
+int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
+                           const float *kabs, int64_t as_b, int64_t as_h,
+                           int64_t *out, int64_t os_b, int64_t os_h,
+                           int64_t B, int64_t H, int64_t G, int64_t D, int64_t n) {
+    uint64_t *key = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)(D > 0 ? D : 1));
+    if (!key) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *qg = q + b * qs_b + h * G * qs_h, *ka = kabs + b * as_b + h * as_h;
+            int64_t *o = out + b * os_b + h * os_h;
+            if (n <= 0) continue;
+            for (int64_t i = 0; i < D; i++) {
+                float s = 0.f;
+                for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
+                key[i] = ((uint64_t)fkey(s, 0xFFFFFFFFu) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
+            }
+            uint64_t thr = n >= D ? 0 : kth_largest(key, D, n);
+            for (int64_t i = 0, j = 0; i < D; i++) {
+                float s = 0.f;
+                for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
+                uint64_t k = ((uint64_t)fkey(s, 0xFFFFFFFFu) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
+                if (k >= thr && j < n) o[j++] = i;
+            }
+        }
+    free(key);
+    return 0;
+}
+
+/* One (b, h) pair's list: the sinks [0, n_s), then the top k of the candidates [n_s, mid_end) by
+   sum_j qs_j * kT[ch_j, t] (qs: the query group's sum; NaN as -inf; ties to the lower position) in
+   position order (all candidates when they are at most k), then [mid_end, mid_end + n_r). sc (n) and
+   key (2 n) are scratch. Returns -2 for a channel outside [0, D). */
+static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t ts_d, const int64_t *cb,
+                       int64_t *o, float *sc, uint32_t *key, int64_t G, int64_t C, int64_t D,
+                       int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r) {
+    int64_t n = mid_end - n_s, j = 0;
+    for (int64_t t = 0; t < n_s; t++) o[j++] = t;
+    if (n <= k) {
+        for (int64_t t = n_s; t < mid_end; t++) o[j++] = t;
+    } else if (k > 0) {
+        for (int64_t c = 0; c < C; c++)
+            if (cb[c] < 0 || cb[c] >= D) return -2;
+        for (int64_t t = 0; t < n; t++) sc[t] = 0.f;
+        for (int64_t c = 0; c < C; c++) {
+            float w = 0.f;
+            for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
+            const float *row = kt + cb[c] * ts_d + n_s;
+            for (int64_t t = 0; t < n; t++) sc[t] += w * row[t];
+        }
+        uint32_t neg = fkey(-INFINITY, 0), cut;
+        for (int64_t t = 0; t < n; t++) key[t] = fkey(sc[t], neg);
+        int64_t eq;
+        top_cut(key, n, k, key + n, &cut, &eq);
+        /* a cut that is the bucket's low end takes every key >= it; an exact one the first eq equal */
+        for (int64_t t = 0; t < n; t++) {
+            uint32_t kv = key[t];
+            if (kv > cut || (kv == cut && eq-- > 0)) o[j++] = n_s + t;
+        }
+    }
+    for (int64_t t = 0; t < n_r; t++) o[j++] = mid_end + t;
+    return 0;
+}
+
+typedef struct {
+    const float *q, *kT;
+    const int64_t *ch;
+    int64_t *out;
+    int64_t qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, lo, hi;
+    int rc;
+} select_job;
+
+static void *run_select(void *arg) {
+    select_job *j = (select_job *)arg;
+    int64_t n = j->mid_end - j->n_s;
+    size_t m = (size_t)(n > 0 ? n : 1);
+    float *sc = (float *)malloc(sizeof(float) * m);
+    uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * 2 * m);
+    j->rc = (sc && key) ? 0 : -1;
+    for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
+        int64_t b = p / j->H, h = p % j->H;
+        j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->kT + b * j->ts_b + h * j->ts_h,
+                            j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
+                            sc, key, j->G, j->C, j->D, j->n_s, j->mid_end, j->k, j->n_r);
+    }
+    free(sc);
+    free(key);
+    return 0;
+}
+
+#define MAX_THREADS 64
+/* kT (B, H, D, S) channel-major, ch (B, H, C), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs
+   split over up to `threads` threads when each gets at least 16k candidates. Returns 0, -1 (no memory),
+   -2 (a channel outside [0, D)). */
+int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
+                         const float *kT, int64_t ts_b, int64_t ts_h, int64_t ts_d,
+                         const int64_t *ch, int64_t cs_b, int64_t cs_h,
+                         int64_t *out, int64_t os_b, int64_t os_h,
+                         int64_t B, int64_t H, int64_t G, int64_t C, int64_t D,
+                         int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t threads) {
+    int64_t pairs = B * H, n = mid_end - n_s;
+    int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (t > pairs) t = pairs;
+    if (n <= k || pairs * n < 16384 * t) t = 1;  /* starting a thread costs more than it saves */
+    select_job jobs[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 0; i < t; i++) {
+        select_job j = {q, kT, ch, out, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
+                        n_s, mid_end, k, n_r, pairs * i / t, pairs * (i + 1) / t, 0};
+        jobs[i] = j;
+    }
+    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_select, &jobs[i]) == 0;
+    for (int64_t i = 1; i < t; i++)
+        if (!started[i]) run_select(&jobs[i]);
+    run_select(&jobs[0]);
+    int rc = jobs[0].rc;
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], 0);
+        if (jobs[i].rc && !rc) rc = jobs[i].rc;
+    }
+    return rc;
+}
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline float hsum16(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* fp16 -> fp32 (GCC's _Float16 on x86-64) */
+static inline float h2f(const uint16_t *p) { _Float16 h; memcpy(&h, p, sizeof h); return (float)h; }
+
+/* One (b, h) pair of quant_decode_attention: G queries over S quantised tokens (keys per channel in groups
+   of gk tokens, values per token in groups of gv channels; bits_k/bits_v wide) and R full-precision ones.
+   A key is zero + code * scale, so q . k = q . zero + (q * scale) . code per key group: the codes are
+   unpacked in registers, never written out. sc: G * (S + R) floats of scratch. */
+typedef struct {
+    const float *q; int64_t qs_h;
+    const uint8_t *kp; int64_t kp_s;
+    const uint16_t *ks, *kz; int64_t km_s;
+    const uint8_t *vp; int64_t vp_s;
+    const uint16_t *vs, *vz; int64_t vm_s;
+    const float *kr; int64_t kr_s;
+    const float *vr; int64_t vr_s;
+    float *out; int64_t os_h;
+} qpair;
+
+static void quant_pair(const qpair *a, float *sc, int64_t G, int64_t S, int64_t R, int64_t D, int64_t bk,
+                       int64_t bv, int64_t gk, int64_t gv, float scale) {
+    const int64_t pk = 8 / bk, pv = 8 / bv, N = S + R;
+    const uint32_t mk = (1u << bk) - 1, mv = (1u << bv) - 1;
+    float w[16][256], base[16], m[16], l[16], sv[256], zv[256], code[256], row[256];
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int64_t j = 0; j < S / gk; j++) {  /* pass 1: scores of the quantised keys, group by group */
+        const uint16_t *s16 = a->ks + j * a->km_s, *z16 = a->kz + j * a->km_s;
+        for (int64_t d = 0; d < D; d++) { sv[d] = h2f(s16 + d); zv[d] = h2f(z16 + d); }
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = a->q + g * a->qs_h;
+            float b = 0.f;
+            for (int64_t d = 0; d < D; d++) { b += qg[d] * zv[d]; w[g][d] = qg[d] * sv[d]; }
+            base[g] = b;
+        }
+        for (int64_t t = j * gk; t < (j + 1) * gk; t++) {
+            const uint8_t *byte = a->kp + (t / pk) * a->kp_s;
+            const int sh = (int)((t % pk) * bk);
+            for (int64_t d = 0; d < D; d++) code[d] = (float)((byte[d] >> sh) & mk);
+            for (int64_t g = 0; g < G; g++) {
+                float x = 0.f;
+                if (D % 16 == 0) {  /* 16 lanes at a time: C does not reorder a float sum by itself */
+                    v16 acc = load16(w[g]) * load16(code);
+                    for (int64_t d = 16; d < D; d += 16) acc += load16(w[g] + d) * load16(code + d);
+                    x = hsum16(acc);
+                } else {
+                    for (int64_t d = 0; d < D; d++) x += w[g][d] * code[d];
+                }
+                x = (base[g] + x) * scale;
+                sc[g * N + t] = x;
+                if (x > m[g]) m[g] = x;
+            }
+        }
+    }
+    for (int64_t t = 0; t < R; t++) {  /* the residual's full-precision keys */
+        const float *kr = a->kr + t * a->kr_s;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = a->q + g * a->qs_h;
+            float x = 0.f;
+            for (int64_t d = 0; d < D; d++) x += qg[d] * kr[d];
+            x *= scale;
+            sc[g * N + S + t] = x;
+            if (x > m[g]) m[g] = x;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float tot = 0.f, *p = sc + g * N;
+        for (int64_t t = 0; t < N; t++) { p[t] = expf(p[t] - m[g]); tot += p[t]; }
+        l[g] = tot;
+    }
+    float acc[16][256], lut[256][8];  /* lut: the codes of a value byte, as floats */
+    for (int64_t x = 0; x < 256; x++)
+        for (int64_t i = 0; i < pv; i++) lut[x][i] = (float)((x >> (i * bv)) & mv);
+    for (int64_t g = 0; g < G; g++) for (int64_t d = 0; d < D; d++) acc[g][d] = 0.f;
+    for (int64_t t = 0; t < S; t++) {  /* pass 2: values rebuilt a token at a time */
+        const uint8_t *byte = a->vp + t * a->vp_s;
+        const uint16_t *s16 = a->vs + t * a->vm_s, *z16 = a->vz + t * a->vm_s;
+        for (int64_t i = 0; i < D / pv; i++) memcpy(code + i * pv, lut[byte[i]], sizeof(float) * (size_t)pv);
+        for (int64_t c = 0; c < D / gv; c++) {
+            float sc_ = h2f(s16 + c), z = h2f(z16 + c);
+            for (int64_t d = c * gv; d < (c + 1) * gv; d++) row[d] = z + code[d] * sc_;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float p = sc[g * N + t];
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * row[d];
+        }
+    }
+    for (int64_t t = 0; t < R; t++) {
+        const float *vr = a->vr + t * a->vr_s;
+        for (int64_t g = 0; g < G; g++) {
+            float p = sc[g * N + S + t];
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float inv = 1.f / l[g], *o = a->out + g * a->os_h;
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+    }
+}
+
+/* quant_decode_attention on CPU: q (B, H*G, D); kp (B, H, S/pk, D) uint8, ks/kz (B, H, S/gk, D) fp16;
+   vp (B, H, S, D/pv) uint8, vs/vz (B, H, S, D/gv) fp16; kr/vr (B, H, R, D) fp32; out (B, H*G, D).
+   Strides (b, h, row) per operand, last dims contiguous. Returns 0, -1 (no memory), -2 (G > 16 or
+   D > 256). One thread: a quantised layer is one of a model's layers, and its codes are few bytes. */
+int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
+                           const uint8_t *kp, int64_t kp_b, int64_t kp_h, int64_t kp_s,
+                           const uint16_t *ks, const uint16_t *kz, int64_t km_b, int64_t km_h, int64_t km_s,
+                           const uint8_t *vp, int64_t vp_b, int64_t vp_h, int64_t vp_s,
+                           const uint16_t *vs, const uint16_t *vz, int64_t vm_b, int64_t vm_h, int64_t vm_s,
+                           const float *kr, int64_t kr_b, int64_t kr_h, int64_t kr_s,
+                           const float *vr, int64_t vr_b, int64_t vr_h, int64_t vr_s,
+                           float *out, int64_t os_b, int64_t os_h,
+                           int64_t B, int64_t H, int64_t G, int64_t S, int64_t R, int64_t D,
+                           int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale) {
+    if (G > 16 || D > 256) return -2;
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (S + R) > 0 ? G * (S + R) : 1));
+    if (!sc) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            qpair a = {q + b * qs_b + h * G * qs_h, qs_h,
+                       kp + b * kp_b + h * kp_h, kp_s,
+                       ks + b * km_b + h * km_h, kz + b * km_b + h * km_h, km_s,
+                       vp + b * vp_b + h * vp_h, vp_s,
+                       vs + b * vm_b + h * vm_h, vz + b * vm_b + h * vm_h, vm_s,
+                       kr + b * kr_b + h * kr_h, kr_s,
+                       vr + b * vr_b + h * vr_h, vr_s,
+                       out + b * os_b + h * G * os_h, os_h};
+            quant_pair(&a, sc, G, S, R, D, bk, bv, gk, gv, scale);
+        }
+    free(sc);
+    return 0;
+}
+
+/* sum over rows of cos(a_r, b_r), rows (B, H) of D floats: torch's cosine_similarity (eps 1e-8). */
+double kvpass_cosine_sum(const float *a, int64_t as_b, int64_t as_h, const float *b, int64_t bs_b, int64_t bs_h,
+                         int64_t B, int64_t H, int64_t D) {
+    double total = 0.0;
+    for (int64_t i = 0; i < B; i++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = a + i * as_b + h * as_h, *y = b + i * bs_b + h * bs_h;
+            double xy = 0.0, xx = 0.0, yy = 0.0;
+            for (int64_t d = 0; d < D; d++) { xy += (double)x[d] * y[d]; xx += (double)x[d] * x[d]; yy += (double)y[d] * y[d]; }
+            double den = sqrt(xx * yy);
+            total += xy / (den > 1e-8 ? den : 1e-8);
+        }
+    return total;
+}
+"""
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_CHANNELS_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I]
+_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _P, _I, _I, _P, _I, _I] + [_I] * 10
+_COSINE_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I]
+_QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
+                   + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
+
+
+def _cpu_fn(symbol: str, argtypes: list, restype=ctypes.c_int):
+    from kvpass.kernels import native
+
+    return native.function("tailorkv", _CPU_SOURCE, symbol, argtypes, restype)
+
+
+def cpu_select_available() -> bool:
+    """Whether the C functions of a sparse layer's CPU step are built (see :mod:`kvpass.kernels.native`)."""
+    return all(_cpu_fn(s, a, r) is not None for s, a, r in (
+        ("kvpass_tailor_channels", _CHANNELS_ARGTYPES, ctypes.c_int),
+        ("kvpass_tailor_select", _SELECT_ARGTYPES, ctypes.c_int),
+        ("kvpass_cosine_sum", _COSINE_ARGTYPES, ctypes.c_double)))
+
+
+def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    # an empty tensor is never read (and .contiguous() keeps its strides)
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype
+            and (t.stride(-1) == 1 or t.numel() == 0))
+
+
+def critical_channels_cpu(q: torch.Tensor, kabs_max: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`critical_channels` in one C call: fp32 CPU ``q (B, H_q, D)`` and ``kabs_max (B, H_kv, D)``
+    with contiguous last dims; returns the same ``(B, H_kv, n)`` int64 channels, ascending (up to the
+    rounding of the scores: the C sums add the group in the same order as torch)."""
+    fn = _cpu_fn("kvpass_tailor_channels", _CHANNELS_ARGTYPES)
+    b, h_q, d = q.shape
+    ok = (fn is not None and _plain_cpu(q, torch.float32) and _plain_cpu(kabs_max, torch.float32)
+          and q.dim() == 3 and kabs_max.dim() == 3 and kabs_max.shape[0] == b and kabs_max.shape[2] == d
+          and kabs_max.shape[1] > 0 and h_q % kabs_max.shape[1] == 0 and 0 <= n <= d)
+    if not ok:
+        raise ValueError(
+            "kvpass: critical_channels_cpu needs fp32 CPU q (B, H_q, D) and kabs_max (B, H_kv, D) with contiguous "
+            f"last dims, H_q a multiple of H_kv, 0 <= n <= D and the C kernel built; got q {tuple(q.shape)} "
+            f"{q.dtype}, kabs_max {tuple(kabs_max.shape)} {kabs_max.dtype}, n={n}")
+    h = kabs_max.shape[1]
+    out = torch.empty((b, h, n), dtype=torch.int64)
+    if out.numel():
+        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kabs_max.data_ptr(), kabs_max.stride(0),
+                kabs_max.stride(1), out.data_ptr(), out.stride(0), out.stride(1), b, h, h_q // h, d, n)
+        if rc != 0:
+            raise MemoryError("kvpass: critical_channels_cpu could not allocate its scratch")
+    return out
+
+
+def tailor_select_cpu(
+    q: torch.Tensor, kT: torch.Tensor, ch: torch.Tensor, n_sinks: int, mid_end: int, k: int, n_recent: int
+) -> torch.Tensor:
+    """The positions a sparse layer's decode step attends, in one C call (fp32 CPU).
+
+    Args:
+        q: ``(B, H_q, D)`` the decode queries, ``H_q = G * H_kv``; contiguous last dim.
+        kT: ``(B, H_kv, D, S)`` the host tier's keys channel-major (S a capacity >= ``mid_end``).
+        ch: ``(B, H_kv, C)`` int64 critical channels (:func:`critical_channels`).
+        n_sinks, mid_end, k, n_recent: the sinks ``[0, n_sinks)``, the candidates ``[n_sinks, mid_end)``,
+            the top-k, the recent tokens ``[mid_end, mid_end + n_recent)``.
+
+    Returns:
+        ``(B, H_kv, n_sinks + min(k, mid_end - n_sinks) + n_recent)`` int64: the sinks, the top k
+        candidates of :func:`partial_topk_ref`'s scores (``sum_j (sum_g q_g)[ch_j] * K[t, ch_j]``; NaN
+        as -inf; ties to the lower position) in position order (every candidate when there are at most
+        k), then the recent tokens.
+    """
+    fn = _cpu_fn("kvpass_tailor_select", _SELECT_ARGTYPES)
+    b, h_q, d = q.shape
+    n = mid_end - n_sinks
+    ok = (fn is not None and _plain_cpu(q, torch.float32) and _plain_cpu(kT, torch.float32)
+          and _plain_cpu(ch, torch.int64) and q.dim() == 3 and kT.dim() == 4 and ch.dim() == 3
+          and kT.shape[0] == b and kT.shape[2] == d and kT.shape[1] > 0 and h_q % kT.shape[1] == 0
+          and tuple(ch.shape[:2]) == tuple(kT.shape[:2]) and 0 <= n_sinks and n >= 0 and k >= 0
+          and n_recent >= 0 and mid_end + n_recent <= kT.shape[3])
+    if not ok:
+        raise ValueError(
+            "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and kT (B, H_kv, D, S) with contiguous last "
+            "dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S and the C "
+            f"kernel built; got q {tuple(q.shape)} {q.dtype}, kT {tuple(kT.shape)} {kT.dtype}, ch "
+            f"{tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, mid_end={mid_end}, k={k}, n_recent={n_recent}")
+    h = kT.shape[1]
+    out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
+    if out.numel():
+        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kT.data_ptr(), *kT.stride()[:3], ch.data_ptr(),
+                ch.stride(0), ch.stride(1), out.data_ptr(), out.stride(0), out.stride(1), b, h, h_q // h,
+                ch.shape[2], d, n_sinks, mid_end, k, n_recent, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")
+        if rc != 0:
+            raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
+    return out
+
+
+def quant_attention_cpu_supports(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res) -> bool:
+    """Whether :func:`quant_decode_attention_cpu` serves these operands: fp32 CPU q and residual, a query
+    group of at most 16, head_dim at most 256, contiguous last dims, scales and zeros sharing strides."""
+    ts = (kq.packed, kq.scale, kq.zero, vq.packed, vq.scale, vq.zero, k_res, v_res)
+    return (
+        _cpu_fn("kvpass_quant_attention", _QUANT_ARGTYPES) is not None
+        and _plain_cpu(q, torch.float32) and _plain_cpu(k_res, torch.float32) and _plain_cpu(v_res, torch.float32)
+        and all(type(t) is torch.Tensor and t.device.type == "cpu" and (t.stride(-1) == 1 or t.numel() == 0)
+                for t in ts)
+        and kq.scale.stride() == kq.zero.stride() and vq.scale.stride() == vq.zero.stride()
+        and q.shape[2] <= 256 and q.shape[1] // max(1, kq.shape[1]) <= 16
+    )
+
+
+def quant_decode_attention_cpu(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res, scale: float | None = None):
+    """:func:`quant_decode_attention` on CPU, in one C call: the codes are unpacked in registers (a key
+    is ``zero + code * scale``, so ``q . k = q . zero + (q * scale) . code`` per key group) and nothing is
+    dequantised into memory. Shapes and result as there, fp32 (:func:`quant_attention_cpu_supports`); equal
+    to :func:`quant_decode_attention_ref` up to the order of fp32 sums."""
+    who = "quant_decode_attention_cpu"
+    _check_attention_inputs(q, kq, vq, k_res, v_res, who)
+    if not quant_attention_cpu_supports(q, kq, vq, k_res, v_res):
+        raise ValueError(f"kvpass: {who} needs fp32 CPU q and residual with contiguous last dims, a query group "
+                         "<= 16, head_dim <= 256, and the C kernel built (kvpass.kernels.tailorkv."
+                         "quant_attention_cpu_supports)")
+    fn = _cpu_fn("kvpass_quant_attention", _QUANT_ARGTYPES)
+    B, H_q, D = q.shape
+    H, S, R = kq.shape[1], kq.shape[2], k_res.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.empty((B, H_q, D), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1),
+            kq.packed.data_ptr(), *kq.packed.stride()[:3], kq.scale.data_ptr(), kq.zero.data_ptr(), *kq.scale.stride()[:3],
+            vq.packed.data_ptr(), *vq.packed.stride()[:3], vq.scale.data_ptr(), vq.zero.data_ptr(), *vq.scale.stride()[:3],
+            k_res.data_ptr(), *k_res.stride()[:3], v_res.data_ptr(), *v_res.stride()[:3],
+            out.data_ptr(), out.stride(0), out.stride(1),
+            B, H, H_q // H, S, R, D, kq.bits, vq.bits, kq.group_size, vq.group_size, float(scale))
+    if rc != 0:
+        raise MemoryError(f"kvpass: {who} could not allocate its scratch (rc={rc})")
+    return out
+
+
+def cosine_sum_cpu(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``F.cosine_similarity(a, b, dim=-1).sum()`` of fp32 CPU ``(B, H, D)`` tensors with contiguous last
+    dims, in one C call (float64 sums), as a Python float."""
+    fn = _cpu_fn("kvpass_cosine_sum", _COSINE_ARGTYPES, ctypes.c_double)
+    if fn is None or not (_plain_cpu(a, torch.float32) and _plain_cpu(b, torch.float32) and a.dim() == 3
+                          and a.shape == b.shape):
+        raise ValueError(f"kvpass: cosine_sum_cpu needs two fp32 CPU (B, H, D) tensors of one shape with a "
+                         f"contiguous last dim and the C kernel built; got {tuple(a.shape)}, {tuple(b.shape)}")
+    return float(fn(a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1), *a.shape))

@@ -89,6 +89,8 @@ def quant_attention(q, kq, vq, k_res, v_res, scale: float) -> torch.Tensor:
 
     if _use_triton(q):
         return tailorkv.quant_decode_attention(q, kq, vq, k_res, v_res, scale=scale)
+    if tailorkv.quant_attention_cpu_supports(q, kq, vq, k_res, v_res):
+        return tailorkv.quant_decode_attention_cpu(q, kq, vq, k_res, v_res, scale=scale)
     return tailorkv.quant_decode_attention_ref(q, kq, vq, k_res, v_res, scale=scale)
 
 

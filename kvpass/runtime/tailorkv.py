@@ -12,6 +12,13 @@ per-channel ``max_t |K|`` ``(B, H_kv, D)`` fp32, the top-k tokens fetched this s
 the layers of a backend, by layer parity: the paper's double buffer) the critical key channels
 prefetched for the next layer. Positions ``[sinks, L - recent)`` are the candidates for top-k.
 
+On a CPU (fp32, the C kernels built) the host tier is the device's own memory, so a sparse layer copies
+nothing (``in_c``): the prefetch picks the channels, the fetch scores the candidates from the host tier's
+channel-major keys in place and lists sinks, top-k and recent positions
+(:func:`kvpass.kernels.tailorkv.tailor_select_cpu`), and the attention reads those rows in place
+(:mod:`kvpass.kernels.cpu_decode`). The report counts what the method holds on its device tier and moves
+between tiers as a GPU would (docs/design.md, "TailorKV on CPU").
+
 The graph pass orders the ops of one decode step as ``prefetch(q̂_l)`` (during layer l-1) ->
 ``fetch(q_l)`` -> ``attention_owned`` of layer l. Only the attention reads the stub, so a batch that
 beam search reordered or expanded is followed there (``_reorder``), and the step's selection, made for
@@ -26,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvpass.runtime.state import KVPassError, SiteState, _make_call
+from kvpass.runtime.state import KVPassError, SiteState, _make_call, _range
 from kvpass.runtime.store import SAME, grow_seq, reorder_needed
 
 QUANTISED, SPARSE = "quantised", "sparse"
@@ -173,6 +180,10 @@ class TailorState(SiteState):
         self.q_hat: torch.Tensor | None = None
         self.sel_k = self.sel_v = None
         self.plan = None  # (n_sinks, picked positions (B, H_kv, k) or None, n_recent) of this step
+        self.in_c = False  # CPU: the C kernels read the host tier in place (module docstring)
+        self.n_s = 0  # sinks held (fixed when the sequence is loaded)
+        self.listed: torch.Tensor | None = None  # in_c: (B, H_kv, N) positions this step attends
+        self.channel_bytes = 0  # in_c: the critical channels a GPU's prefetch would copy this step
         self.prefetched = 0
         self.event = None  # CUDA: the prefetch's copy on the side stream
 
@@ -221,14 +232,22 @@ class TailorState(SiteState):
             self.res_v[:, :, : self.n_res] = v[:, :, n_q:]
             return
         n_s, n_r = self.n_sinks, self.n_recent
+        self.n_s = n_s
+        from kvpass.kernels import cpu_decode
+        from kvpass.kernels.tailorkv import cpu_select_available
+
+        self.in_c = (dev.type == "cpu" and k.dtype == torch.float32 and cpu_decode.available()
+                     and cpu_select_available())
         # a channel-major copy of the keys in the host tier: the prefetch of c critical channels then
         # reads c contiguous rows, c/D of the keys, instead of touching every key
         b, h, _, d = k.shape
         cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
         self.kT = torch.zeros((b, h, d, cap), dtype=k.dtype, pin_memory=torch.cuda.is_available())
         self.kT[:, :, :, :length] = k.transpose(2, 3)
-        self.sink_k, self.sink_v = k[:, :, :n_s].to(dev, copy=True), v[:, :, :n_s].to(dev, copy=True)
-        self.rec_k, self.rec_v = k[:, :, length - n_r :].to(dev, copy=True), v[:, :, length - n_r :].to(dev, copy=True)
+        if not self.in_c:
+            self.sink_k, self.sink_v = k[:, :, :n_s].to(dev, copy=True), v[:, :, :n_s].to(dev, copy=True)
+            self.rec_k = k[:, :, length - n_r :].to(dev, copy=True)
+            self.rec_v = v[:, :, length - n_r :].to(dev, copy=True)
         self.kabs = k.abs().amax(dim=2).float().to(dev) if length else None
 
     # -- the ops ---------------------------------------------------------------------------------
@@ -252,7 +271,8 @@ class TailorState(SiteState):
             return ticket  # prefill, a quantised layer, or a sequence this state has not loaded
         t0 = time.perf_counter()
         if q_hat.shape[0] == self.kabs.shape[0]:
-            self._prefetch(q_hat[:, :, 0], past + 1)
+            with _range("kvpass.select"):
+                self._prefetch(q_hat[:, :, 0], past + 1)
         # else the batch size changed since the last step (beam search expanded it): the attention, which
         # sees the new rows, reorders this state and prefetches for them (see _reorder)
         if estimated:
@@ -264,7 +284,7 @@ class TailorState(SiteState):
         """(n_sinks, end of the top-k candidates, n_recent) for a sequence of ``length`` tokens: the
         device tier holds positions [0, n_sinks) and [length - n_recent, length)."""
         p = self.policy
-        n_s = self.sink_k.shape[2]
+        n_s = self.n_s
         n_r = min(p.static_tokens - p.sinks, length - n_s)
         return n_s, length - n_r, n_r
 
@@ -276,9 +296,17 @@ class TailorState(SiteState):
         if mid_end - n_s <= p.topk:
             return  # every candidate is fetched: nothing to score
         c = min(p.critical_channels, q_hat.shape[-1])
+        n = mid_end - n_s
+        if self.in_c and q_hat.dtype == torch.float32 and q_hat.stride(-1) == 1:
+            from kvpass.kernels.tailorkv import critical_channels_cpu
+
+            self.ch = critical_channels_cpu(q_hat, self.kabs, c)  # the fetch reads these rows of kT in place
+            self.channel_bytes = self.ch.shape[0] * self.ch.shape[1] * c * n * self.kT.element_size()
+            self.bytes_moved += self.channel_bytes  # what a GPU's prefetch copies
+            self.prefetched += self.channel_bytes
+            return
         self.ch = critical_channels(q_hat, self.kabs, c)  # (B, H_kv, c)
         b, h = self.ch.shape[:2]
-        n = mid_end - n_s
         channels = take_rows(self.kT, self.ch)[..., n_s:mid_end]  # (B, H_kv, c, n)
         buf = self._channel_buffer((b, h, c, n), self.kabs.new_empty(0, dtype=channels.dtype))
         if buf.is_cuda and not channels.is_cuda:
@@ -306,14 +334,25 @@ class TailorState(SiteState):
             return ticket
         t0 = time.perf_counter()
         if self.q_hat is not None:
-            cos = F.cosine_similarity(self.q_hat.float(), q[:, :, 0].float(), dim=-1).mean()
-            self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
-            self.cos_n += 1
+            self._estimate_cosine(q[:, :, 0])
         self._wait(q.device)
         if q.shape[0] == self.kabs.shape[0]:
-            self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
+            with _range("kvpass.select"):
+                self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
         self.overhead_decode_s += time.perf_counter() - t0
         return ticket
+
+    def _estimate_cosine(self, q: torch.Tensor) -> None:
+        """Add this step's mean cosine similarity of the estimate ``q̂`` to the true ``q (B, H_q, D)``
+        (kept on the device: no host sync; the C sum on CPU, where a Python float is no sync)."""
+        if self.in_c and q.dtype == self.q_hat.dtype == torch.float32 and q.stride(-1) == 1:
+            from kvpass.kernels.tailorkv import cosine_sum_cpu
+
+            cos = cosine_sum_cpu(self.q_hat, q) / (q.shape[0] * q.shape[1])
+        else:
+            cos = F.cosine_similarity(self.q_hat.float(), q.float(), dim=-1).mean()
+        self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
+        self.cos_n += 1
 
     def _wait(self, device: torch.device) -> None:
         """CUDA: make the current stream wait for the prefetch's copy."""
@@ -329,6 +368,17 @@ class TailorState(SiteState):
         n_mid = mid_end - n_s
         host_k, host_v = self.store.k, self.store.v
         dev = q.device
+        if self.in_c and q.dtype == torch.float32 and q.stride(-1) == 1:
+            from kvpass.kernels.tailorkv import tailor_select_cpu
+
+            if n_mid > p.topk and self.ch is None:  # no prefetch ran for this step (an adopted cache)
+                self._prefetch(q, length)
+            ch = self.ch if self.ch is not None else q.new_zeros((*self.kabs.shape[:2], 0), dtype=torch.int64)
+            self.listed = tailor_select_cpu(q, self.kT, ch, n_s, mid_end, p.topk, n_r)
+            kk = min(p.topk, max(n_mid, 0))
+            self.bytes_moved += 2 * self.listed.shape[0] * self.listed.shape[1] * kk * host_k.shape[3] * host_k.element_size()
+            self.plan = (n_s, kk, n_r)
+            return
         if n_mid <= 0:
             picked = None
         elif n_mid <= p.topk:
@@ -420,7 +470,7 @@ class TailorState(SiteState):
             # the fetch ran (or skipped a resized batch): select again; without it _decode says it is missing
             redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
             self._wait(q.device)
-            self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = None
+            self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = self.listed = None
             if redo:
                 self._prefetch(self.q_hat if self.q_hat is not None else q[:, :, 0], length)
                 self._wait(q.device)
@@ -431,6 +481,13 @@ class TailorState(SiteState):
         if self.tier == QUANTISED:
             self.physical = self.logical
             self.kv_bytes = self.packed.nbytes() + 2 * self.res_k.numel() * self.res_k.element_size()
+        elif self.in_c:
+            # the device tier a GPU holds: sinks, recent and fetched tokens, max |K| (read in place here)
+            self.physical = self.store.length
+            st, (n_s, mid_end, n_r) = self.store, self._ranges(self.logical)
+            kk = min(self.policy.topk, max(mid_end - n_s, 0)) if self.steps else 0
+            row = 2 * st.k.shape[0] * st.k.shape[1] * st.k.shape[3] * st.k.element_size()
+            self.kv_bytes = row * (n_s + n_r + kk) + self.kabs.numel() * self.kabs.element_size()
         else:
             self.physical = self.store.length
             ts = (self.sink_k, self.sink_v, self.rec_k, self.rec_v, self.kabs, self.sel_k, self.sel_v)
@@ -443,6 +500,8 @@ class TailorState(SiteState):
         self.logical += 1
         if self.tier == QUANTISED:
             out = self._decode_quantised(q, k_new, v_new, scale)
+        elif self.in_c:
+            out = self._decode_in_c(q, k_new, v_new, attn_mask, scale, is_causal)
         else:
             self._host_append(k_new, v_new)
             self.kabs = torch.maximum(self.kabs, k_new[:, :, 0].abs().float())
@@ -459,10 +518,31 @@ class TailorState(SiteState):
             self.last_idx = idx
             if self.probe is not None:
                 self.probe(self, call, idx)
-            out = self._attend_sparse(q, scale)
+            with _range("kvpass.attend"):
+                out = self._attend_sparse(q, scale)
             self.attended = -1
         self._account()
         return out
+
+    def _decode_in_c(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+        """A sparse layer's step on CPU: the listed rows of the host tier, read in place."""
+        from kvpass.kernels import cpu_decode
+
+        with _range("kvpass.bookkeeping"):
+            self._host_append(k_new, v_new)
+            torch.maximum(self.kabs, k_new[:, :, 0].abs(), out=self.kabs)
+        if self.plan is None or self.listed is None:
+            raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
+                              "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
+        idx, self.plan = self.listed, None
+        self.last_idx = idx
+        if self.probe is not None:
+            hk, hv = self.store.views()
+            self.probe(self, _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1), idx)
+        self.attended = -1
+        st = self.store
+        with _range("kvpass.attend"):
+            return cpu_decode.cpu_decode_attention(q[:, :, 0], st.k, st.v, idx, scale).unsqueeze(2)
 
     def _host_append(self, k_new, v_new) -> None:
         st = self.store
@@ -504,7 +584,9 @@ class TailorState(SiteState):
         self.res_v[:, :, self.n_res : self.n_res + 1] = v_new
         self.n_res += 1
         kq, vq = self.packed.views()
-        out = quant_attention(q[:, :, 0], kq, vq, self.res_k[:, :, : self.n_res], self.res_v[:, :, : self.n_res], scale)
+        with _range("kvpass.attend"):
+            out = quant_attention(q[:, :, 0], kq, vq, self.res_k[:, :, : self.n_res], self.res_v[:, :, : self.n_res],
+                                  scale)
         self.attended = self.logical
         self.last_idx = None
         if self.n_res == r:
@@ -560,6 +642,10 @@ class TailorState(SiteState):
     def metadata_bytes(self) -> int:
         if self.tier != SPARSE:
             return 0
+        if self.in_c:
+            # the channels a GPU's double buffer holds for this layer (read in place here)
+            layers = self.shared.get("tailorkv.sparse_layers", {self.info.layer})
+            return self.channel_bytes // max(1, sum(1 for i in layers if i % 2 == self.info.layer % 2))
         bufs = self.shared.get("tailorkv.channel_buffers") or [None, None]
         buf = bufs[self.info.layer % 2]
         if buf is None:
