@@ -47,3 +47,14 @@ def test_off_or_without_a_compiler_there_is_no_library(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert native.library("probe", _source(2)) is None
     assert not list((tmp_path / "native").glob("probe-*.so"))
+
+
+def test_kernels_run_on_torchs_own_openmp_pool():
+    """torch 2.13's CPU build runs its threads on GNU OpenMP: the kernels' parallel loops are built with
+    it and take torch's pool (one libgomp in the process, torch's), not a second set of threads."""
+    from kvpass.kernels import cpu_decode
+
+    assert native.openmp_flags() == ["-fopenmp"]
+    assert cpu_decode.available()
+    gomp = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert len(gomp) == 1 and "torch" in next(iter(gomp)), gomp

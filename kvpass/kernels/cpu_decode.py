@@ -246,23 +246,30 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
     if (t > pairs) t = pairs;
     if (pairs * N < MIN_ROWS_PER_THREAD * 2) t = 1;  /* starting a thread costs more than it saves */
     job_t jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int64_t i = 0; i < t; i++) {
         job_t j = {q, k, v, bias, idx, out, qs_b, qs_h, ks_b, ks_h, ks_s, vs_b, vs_h, vs_s, is_b, is_h, is_n,
                    bs_b, bs_h, bs_s, os_b, os_h, Hk, G, S, N, D, pairs * i / t, pairs * (i + 1) / t,
                    scale, 0};
         jobs[i] = j;
     }
+#ifdef _OPENMP
+    /* torch's own OpenMP pool (the same libgomp, kvpass.kernels.native): warm threads, and no second
+       pool spinning against torch's on the same cores */
+    #pragma omp parallel for num_threads(t) schedule(static, 1)
+    for (int64_t i = 0; i < t; i++) run_job(&jobs[i]);
+#else
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
     for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_job, &jobs[i]) == 0;
     for (int64_t i = 1; i < t; i++)
         if (!started[i]) run_job(&jobs[i]);  /* no thread to be had: do its share here */
     run_job(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int64_t i = 1; i < t; i++) {
+    for (int64_t i = 1; i < t; i++)
         if (started[i]) pthread_join(tid[i], 0);
+#endif
+    int rc = 0;
+    for (int64_t i = 0; i < t; i++)
         if (jobs[i].rc) rc = jobs[i].rc;
-    }
     return rc;
 }
 """

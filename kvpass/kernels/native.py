@@ -3,7 +3,7 @@
 A kernel file that has a C counterpart of its Triton kernel (``cpu_decode.py``, ``clusterkv.py``) keeps
 its C source beside the Triton one and gets the library from :func:`library`. The library is compiled
 with the C compiler Inductor's CPU backend uses (``$CC``, else ``cc``; ``-O3 -march=native``, IEEE
-arithmetic, pthreads) into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), named by a
+arithmetic, torch's OpenMP where torch runs on it, else pthreads: :func:`openmp_flags`) into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), named by a
 hash of the source, the compiler, the flags and the CPU's feature flags, so that a changed source or
 another CPU gets its own file; a second process loads the file without compiling. ``KVPASS_NATIVE=0``
 turns every C kernel off, and a machine without a working compiler has none: the callers then run their
@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "enabled", "function", "library"]
+__all__ = ["FLAGS", "enabled", "function", "library", "openmp_flags"]
 
 # no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
@@ -53,9 +53,34 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def openmp_flags() -> list[str]:
+    """``["-fopenmp"]`` where torch runs its threads on GNU OpenMP (its ``libgomp`` is loaded in this
+    process, Linux), else ``[]``. A kernel's parallel loop then runs on torch's own, warm pool: the library
+    needs ``libgomp.so.1``, which the loader resolves to the copy torch loaded. With pthreads instead, a
+    kernel's threads met torch's pool spinning on the same cores after each of its ops (TailorKV's
+    batch-8 attention ran 1.8x slower inside the model than alone; docs/design.md, "TailorKV on CPU")."""
+    import torch
+
+    if platform.system() != "Linux" or not torch.backends.openmp.is_available():
+        return []
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return ["-fopenmp"] if "libgomp" in maps else []
+
+
 def _build(name: str, source: str) -> Path | None:
+    omp = openmp_flags()
+    path = _compile(name, source, FLAGS + omp)
+    if path is None and omp:  # a compiler without OpenMP: the pthread loops
+        path = _compile(name, source, FLAGS)
+    return path
+
+
+def _compile(name: str, source: str, flags: list[str]) -> Path | None:
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256("\0".join([source, cc, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{name}-{key}.so"
     if path.exists():
         return path
@@ -65,7 +90,7 @@ def _build(name: str, source: str) -> Path | None:
             src = Path(tmp) / f"{name}.c"
             src.write_text(source)
             so = Path(tmp) / path.name
-            subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
+            subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
                            timeout=120)
             os.replace(so, path)  # atomic: a process building the same key at once gets a whole file
     except (OSError, subprocess.SubprocessError):  # no compiler, a failed build, a cache not writable

@@ -1003,22 +1003,27 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     if (t > pairs) t = pairs;
     if (n <= k || pairs * n < 16384 * t) t = 1;  /* starting a thread costs more than it saves */
     select_job jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int64_t i = 0; i < t; i++) {
         select_job j = {q, kT, ch, out, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
                         n_s, mid_end, k, n_r, pairs * i / t, pairs * (i + 1) / t, 0};
         jobs[i] = j;
     }
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(t) schedule(static, 1)  /* torch's pool (kvpass.kernels.native) */
+    for (int64_t i = 0; i < t; i++) run_select(&jobs[i]);
+#else
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
     for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_select, &jobs[i]) == 0;
     for (int64_t i = 1; i < t; i++)
         if (!started[i]) run_select(&jobs[i]);
     run_select(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int64_t i = 1; i < t; i++) {
+    for (int64_t i = 1; i < t; i++)
         if (started[i]) pthread_join(tid[i], 0);
+#endif
+    int rc = 0;
+    for (int64_t i = 0; i < t; i++)
         if (jobs[i].rc && !rc) rc = jobs[i].rc;
-    }
     return rc;
 }
 
