@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from .native import VECTOR16
+
 __all__ = ["available", "cpu_decode_attention", "cpu_decode_attention_ref"]
 
 _SOURCE = r"""
@@ -37,21 +39,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+""" + VECTOR16 + r"""
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline float hsum16(v16 x) {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 /* m ? a : b, lane by lane (C has no vector ?:) */
 static inline v16 sel(i16 m, v16 a, v16 b) {

@@ -24,10 +24,25 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "enabled", "function", "library", "openmp_flags"]
+__all__ = ["FLAGS", "VECTOR16", "enabled", "function", "library", "openmp_flags"]
 
 # no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+
+# 16-lane fp32 vectors (GCC/Clang vector extensions) for the kernels' sums: C does not reorder a float sum
+# by itself, so a dot product vectorises only when written in lanes. Needs <string.h>.
+VECTOR16 = r"""
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline float hsum16(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+"""
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

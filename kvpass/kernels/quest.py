@@ -26,6 +26,7 @@ import ctypes
 import torch
 
 from ._triton import require_triton, tl, triton
+from .native import VECTOR16
 
 __all__ = [
     "quest_page_minmax_ref",
@@ -314,19 +315,7 @@ _TOP_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
-static inline float hsum16(v16 x) {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
+""" + VECTOR16 + r"""
 /* sum of r[d] * m[d] over n values: 16 lanes at a time (n % 16 == 0), else one at a time */
 static inline float dot(const float *r, const float *m, int64_t n) {
     if (n % 16 == 0) {

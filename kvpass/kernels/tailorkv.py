@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import require_triton, tl, triton
+from .native import VECTOR16
 
 __all__ = [
     "QuantizedKV",
@@ -837,7 +838,7 @@ _CPU_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
+""" + VECTOR16 + r"""
 /* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. */
 static inline uint32_t fkey(float s, uint32_t nan_key) {
     if (s != s) return nan_key;
@@ -1025,17 +1026,6 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     for (int64_t i = 0; i < t; i++)
         if (jobs[i].rc && !rc) rc = jobs[i].rc;
     return rc;
-}
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
-static inline float hsum16(v16 x) {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* fp16 -> fp32 (GCC's _Float16 on x86-64) */
