@@ -848,27 +848,6 @@ static inline uint32_t fkey(float s, uint32_t nan_key) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-static inline void swap64(uint64_t *a, uint64_t *b) { uint64_t t = *a; *a = *b; *b = t; }
-
-/* The k-th largest of x[0, n) (k in [1, n]); reorders x. Keys are distinct. For the D channels. */
-static uint64_t kth_largest(uint64_t *x, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, want = k - 1;
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (x[mid] > x[lo]) swap64(&x[mid], &x[lo]);
-        if (x[hi] > x[lo]) swap64(&x[hi], &x[lo]);
-        if (x[mid] > x[hi]) swap64(&x[mid], &x[hi]);
-        uint64_t p = x[hi]; /* median of three, descending partition */
-        int64_t s = lo;
-        for (int64_t i = lo; i < hi; i++)
-            if (x[i] > p) swap64(&x[i], &x[s++]);
-        swap64(&x[s], &x[hi]);
-        if (s == want) return x[s];
-        if (s < want) lo = s + 1; else hi = s - 1;
-    }
-    return x[lo];
-}
-
 /* The cut of the k largest of key[0, n) (1 <= k < n) by a radix select on 11/11/10 bits: every key
    above *cut is taken, and the first *eq keys equal to it (in position order: ties to the lower
    position). The first pass counts all n keys (an L1-sized histogram); the next ones only the keys of
@@ -898,31 +877,41 @@ static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, ui
     *eq = need;
 }
 
+/* Writes at o the positions first + t of the k largest keys of key[0, n) (ties to the lower t) in
+   position order, all n when k >= n; returns how many. sub: n scratch. */
+static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, int64_t *o, int64_t first) {
+    int64_t j = 0;
+    if (k >= n) {
+        for (int64_t t = 0; t < n; t++) o[j++] = first + t;
+        return j;
+    }
+    if (k <= 0) return 0;
+    uint32_t cut;
+    int64_t eq;
+    top_cut(key, n, k, sub, &cut, &eq);
+    /* a cut that is the bucket's low end takes every key >= it; an exact one the first eq equal */
+    for (int64_t t = 0; t < n; t++)
+        if (key[t] > cut || (key[t] == cut && eq-- > 0)) o[j++] = first + t;
+    return j;
+}
+
 /* critical_channels per (b, h): s_i = sum_g |q_{g,i}| * kabs_i, the n best (ties to the lower channel,
    NaN first as torch.sort ranks it), written in ascending channel order. */
 int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
                            const float *kabs, int64_t as_b, int64_t as_h,
                            int64_t *out, int64_t os_b, int64_t os_h,
                            int64_t B, int64_t H, int64_t G, int64_t D, int64_t n) {
-    uint64_t *key = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)(D > 0 ? D : 1));
+    uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(D > 0 ? 2 * D : 1));
     if (!key) return -1;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             const float *qg = q + b * qs_b + h * G * qs_h, *ka = kabs + b * as_b + h * as_h;
-            int64_t *o = out + b * os_b + h * os_h;
-            if (n <= 0) continue;
             for (int64_t i = 0; i < D; i++) {
                 float s = 0.f;
                 for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
-                key[i] = ((uint64_t)fkey(s, 0xFFFFFFFFu) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
+                key[i] = fkey(s, 0xFFFFFFFFu);
             }
-            uint64_t thr = n >= D ? 0 : kth_largest(key, D, n);
-            for (int64_t i = 0, j = 0; i < D; i++) {
-                float s = 0.f;
-                for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
-                uint64_t k = ((uint64_t)fkey(s, 0xFFFFFFFFu) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
-                if (k >= thr && j < n) o[j++] = i;
-            }
+            take_top(key, D, n, key + D, out + b * os_b + h * os_h, 0);
         }
     free(key);
     return 0;
@@ -937,9 +926,7 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
                        int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r) {
     int64_t n = mid_end - n_s, j = 0;
     for (int64_t t = 0; t < n_s; t++) o[j++] = t;
-    if (n <= k) {
-        for (int64_t t = n_s; t < mid_end; t++) o[j++] = t;
-    } else if (k > 0) {
+    if (n > k && k > 0) {
         for (int64_t c = 0; c < C; c++)
             if (cb[c] < 0 || cb[c] >= D) return -2;
         for (int64_t t = 0; t < n; t++) sc[t] = 0.f;
@@ -949,16 +936,10 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
             const float *row = kt + cb[c] * ts_d + n_s;
             for (int64_t t = 0; t < n; t++) sc[t] += w * row[t];
         }
-        uint32_t neg = fkey(-INFINITY, 0), cut;
+        uint32_t neg = fkey(-INFINITY, 0);
         for (int64_t t = 0; t < n; t++) key[t] = fkey(sc[t], neg);
-        int64_t eq;
-        top_cut(key, n, k, key + n, &cut, &eq);
-        /* a cut that is the bucket's low end takes every key >= it; an exact one the first eq equal */
-        for (int64_t t = 0; t < n; t++) {
-            uint32_t kv = key[t];
-            if (kv > cut || (kv == cut && eq-- > 0)) o[j++] = n_s + t;
-        }
     }
+    j += take_top(key, n, k, key + n, o + j, n_s);  /* every candidate when they are at most k */
     for (int64_t t = 0; t < n_r; t++) o[j++] = mid_end + t;
     return 0;
 }
@@ -1046,10 +1027,10 @@ typedef struct {
     float *out; int64_t os_h;
 } qpair;
 
-static void quant_pair(const qpair *a, float *sc, int64_t G, int64_t S, int64_t R, int64_t D, int64_t bk,
-                       int64_t bv, int64_t gk, int64_t gv, float scale) {
+static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t G, int64_t S, int64_t R,
+                       int64_t D, int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale) {
     const int64_t pk = 8 / bk, pv = 8 / bv, N = S + R;
-    const uint32_t mk = (1u << bk) - 1, mv = (1u << bv) - 1;
+    const uint32_t mk = (1u << bk) - 1;
     float w[16][256], base[16], m[16], l[16], sv[256], zv[256], code[256], row[256];
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;
     for (int64_t j = 0; j < S / gk; j++) {  /* pass 1: scores of the quantised keys, group by group */
@@ -1096,9 +1077,7 @@ static void quant_pair(const qpair *a, float *sc, int64_t G, int64_t S, int64_t 
         for (int64_t t = 0; t < N; t++) { p[t] = expf(p[t] - m[g]); tot += p[t]; }
         l[g] = tot;
     }
-    float acc[16][256], lut[256][8];  /* lut: the codes of a value byte, as floats */
-    for (int64_t x = 0; x < 256; x++)
-        for (int64_t i = 0; i < pv; i++) lut[x][i] = (float)((x >> (i * bv)) & mv);
+    float acc[16][256];
     for (int64_t g = 0; g < G; g++) for (int64_t d = 0; d < D; d++) acc[g][d] = 0.f;
     for (int64_t t = 0; t < S; t++) {  /* pass 2: values rebuilt a token at a time */
         const uint8_t *byte = a->vp + t * a->vp_s;
@@ -1143,6 +1122,9 @@ int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
     if (G > 16 || D > 256) return -2;
     float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (S + R) > 0 ? G * (S + R) : 1));
     if (!sc) return -1;
+    float lut[256][8];  /* the codes of a value byte, as floats */
+    for (int64_t x = 0; x < 256; x++)
+        for (int64_t i = 0; i < 8 / bv; i++) lut[x][i] = (float)((x >> (i * bv)) & ((1 << bv) - 1));
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             qpair a = {q + b * qs_b + h * G * qs_h, qs_h,
@@ -1153,7 +1135,7 @@ int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
                        kr + b * kr_b + h * kr_h, kr_s,
                        vr + b * vr_b + h * vr_h, vr_s,
                        out + b * os_b + h * G * os_h, os_h};
-            quant_pair(&a, sc, G, S, R, D, bk, bv, gk, gv, scale);
+            quant_pair(&a, sc, (const float (*)[8])lut, G, S, R, D, bk, bv, gk, gv, scale);
         }
     free(sc);
     return 0;

@@ -250,6 +250,10 @@ class TailorState(SiteState):
             self.rec_v = v[:, :, length - n_r :].to(dev, copy=True)
         self.kabs = k.abs().amax(dim=2).float().to(dev) if length else None
 
+    def _in_c(self, *ts: torch.Tensor) -> bool:
+        """Whether this step's C path serves queries ``ts`` (fp32, a contiguous last dim) on an ``in_c`` layer."""
+        return self.in_c and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+
     # -- the ops ---------------------------------------------------------------------------------
     def _channel_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A view ``shape`` of the prefetch buffer of this layer's parity (two per backend)."""
@@ -297,7 +301,7 @@ class TailorState(SiteState):
             return  # every candidate is fetched: nothing to score
         c = min(p.critical_channels, q_hat.shape[-1])
         n = mid_end - n_s
-        if self.in_c and q_hat.dtype == torch.float32 and q_hat.stride(-1) == 1:
+        if self._in_c(q_hat):
             from kvpass.kernels.tailorkv import critical_channels_cpu
 
             self.ch = critical_channels_cpu(q_hat, self.kabs, c)  # the fetch reads these rows of kT in place
@@ -345,7 +349,7 @@ class TailorState(SiteState):
     def _estimate_cosine(self, q: torch.Tensor) -> None:
         """Add this step's mean cosine similarity of the estimate ``q̂`` to the true ``q (B, H_q, D)``
         (kept on the device: no host sync; the C sum on CPU, where a Python float is no sync)."""
-        if self.in_c and q.dtype == self.q_hat.dtype == torch.float32 and q.stride(-1) == 1:
+        if self._in_c(q, self.q_hat):
             from kvpass.kernels.tailorkv import cosine_sum_cpu
 
             cos = cosine_sum_cpu(self.q_hat, q) / (q.shape[0] * q.shape[1])
@@ -368,7 +372,7 @@ class TailorState(SiteState):
         n_mid = mid_end - n_s
         host_k, host_v = self.store.k, self.store.v
         dev = q.device
-        if self.in_c and q.dtype == torch.float32 and q.stride(-1) == 1:
+        if self._in_c(q):
             from kvpass.kernels.tailorkv import tailor_select_cpu
 
             if n_mid > p.topk and self.ch is None:  # no prefetch ran for this step (an adopted cache)
