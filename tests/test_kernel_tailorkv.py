@@ -655,32 +655,37 @@ def test_critical_channels_cpu_match_naive_loop(B, H_kv, G, D, n_frac, nan, seed
         assert torch.equal(got, naive_critical_channels(q, kabs_max, n))
 
 
-def naive_step_list(q, kT, ch, n_s, mid_end, k, n_r):
-    """Python loops: sinks, the k best candidates by (score desc, position asc) in position order, recent."""
+def naive_step_list(q, kT, ch, n_s, mid_end, k, n_r, first=None):
+    """Python loops: sinks, the k best candidates by (score desc, position asc) in position order, recent;
+    row b of a padded batch starts at ``first[b]`` and ends with -1 where it has fewer candidates."""
     B, H_q, _ = q.shape
     H = kT.shape[1]
     G = H_q // H
+    width = n_s + min(k, mid_end - n_s) + n_r
     rows = []
     for b in range(B):
+        f = 0 if first is None else int(first[b])
         for h in range(H):
             qs = q[b, h * G : (h + 1) * G].double().sum(0)
-            picked = list(range(n_s, mid_end))
-            if mid_end - n_s > k:
+            picked = list(range(f + n_s, mid_end))
+            if mid_end - n_s - f > k:
                 s = {}
                 for t in picked:
                     x = sum(float(qs[c]) * float(kT[b, h, c, t]) for c in ch[b, h].tolist())
                     s[t] = -math.inf if math.isnan(x) else x
                 picked = sorted(sorted(picked, key=lambda t: (-s[t], t))[:k])
-            rows.append(list(range(n_s)) + picked + list(range(mid_end, mid_end + n_r)))
+            row = list(range(f, f + n_s)) + picked + list(range(mid_end, mid_end + n_r))
+            rows.append(row + [-1] * (width - len(row)))
     return torch.tensor(rows, dtype=torch.int64).view(B, H, -1)
 
 
 @given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=st.sampled_from([4, 16]),
        S=st.integers(0, 90), n_s=st.integers(0, 6), n_r=st.integers(0, 6), k=st.integers(0, 40),
-       c=st.integers(1, 4), nan=st.booleans(), seed=SEEDS)
-def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, nan, seed):
+       c=st.integers(1, 4), nan=st.booleans(), padded=st.booleans(), seed=SEEDS)
+def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, nan, padded, seed):
     """Integer queries and keys: exact scores with many ties; every range may be empty, k may cover every
-    candidate or be 0, the channels may repeat, and a NaN key scores -inf (ranked with the lowest)."""
+    candidate or be 0, the channels may repeat, and a NaN key scores -inf (ranked with the lowest). A
+    padded batch: each row's own first position (0 up to all its candidates), -1 after a short row."""
     gen = torch.Generator().manual_seed(seed)
     n_s, n_r = min(n_s, S), min(n_r, max(S - n_s, 0))
     mid_end = S - n_r
@@ -690,8 +695,9 @@ def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, 
     ch = torch.randint(0, D, (B, H_kv, min(c, D)), generator=gen)
     if nan and mid_end > n_s:
         kT[0, 0, ch[0, 0, 0], n_s] = float("nan")
-    got = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r)
-    assert torch.equal(got, naive_step_list(q, kT, ch, n_s, mid_end, k, n_r))
+    first = torch.randint(0, max(mid_end - n_s, 0) + 1, (B,), generator=gen) if padded else None
+    got = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r, first)
+    assert torch.equal(got, naive_step_list(q, kT, ch, n_s, mid_end, k, n_r, first))
 
 
 def test_tailor_select_cpu_equals_partial_topk_on_random_keys():
@@ -718,6 +724,8 @@ def test_tailor_cpu_refusals():
         tailor_select_cpu(q.half(), kT, ch, 2, 20, 4, 5)
     with pytest.raises(ValueError, match="mid_end"):
         tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 28, 4, 5)  # past the capacity
+    with pytest.raises(ValueError, match="first position"):
+        tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 20, 4, 5, torch.tensor([19]))  # past the candidates
     with pytest.raises(ValueError, match="0 <= n <= D"):
         critical_channels_cpu(q, kT[..., 0], 9)
 

@@ -125,8 +125,10 @@ def test_rows_select_and_answer_what_each_prompt_alone_does(padded_compiled):
             out, steps = _generate(model, fwd, ids, be, attention_mask=mask)
             batch_rows = be.report_rows()
             in_place = {site: s.split is None for site, s in be.runtime.sites.items()}  # else row by row
-            if name in ("Quest", "ClusterKV"):
-                assert all(in_place.values()), f"{name} serves a batch whose rows all cluster in place"
+            if name in ("Quest", "ClusterKV", "TailorKV"):
+                # every row clusters (ClusterKV), or has more candidates than the top-k (TailorKV's sparse
+                # layers on the CPU path, which a tiny fp32 model takes)
+                assert all(in_place.values()), f"{name} serves a batch whose rows all fit in place"
             assert all(len(r["rows"]) == 3 for r in batch_rows), f"{name}: every site reports each batch row"
             assert all(r["device_bytes_per_row"] == max(x["device_bytes"] for x in r["rows"])
                        for r in batch_rows)
@@ -184,14 +186,59 @@ def test_clusterkv_serves_in_place_where_every_row_clusters_else_row_by_row(padd
                 assert _same_selection(sb[site][i], sa[site][0]), f"row {i}, step {step}, site {site}"
 
 
+def _tailor(**kw):
+    return TailorKV(**{**dict(sparse_budget=16, static_tokens=6, sinks=2, critical_channels=4, group_size=8,
+                              residual=8), **kw})
+
+
+@pytest.mark.parametrize("how,lengths,in_place", [
+    ("sparse", (30, 24), {0: True, 1: True}),  # every row has more candidates (24 - 6) than the top-k 10
+    ("sparse", (30, 15), {0: False, 1: False}),  # row 1 has 9 candidates: its list would be shorter
+    ("two tiers", (30, 24), {0: False, 1: True}),  # layer 0 quantised: its token groups stay per row
+    ("auto", (30, 24), {0: False, 1: False}),  # tiers from each prompt's own queries
+])
+def test_tailorkv_serves_sparse_layers_in_place_else_row_by_row(padded_compiled, how, lengths, in_place):
+    """TailorKV's sparse layers on the CPU path serve a padded batch in place when every row has more
+    candidates than the top-k (each row's sinks, candidates and recent tokens at fixed offsets from its
+    first real token, max |K| over its own keys); quantised layers, ``profile="auto"`` and a short row go
+    row by row. Either way each row selects the positions and gives the tokens and logits of the prompt
+    alone, and a batch served in place moves each row's own bytes between tiers."""
+    from kvpass.tailorkv import Profile, config_key
+
+    model = padded_compiled.model
+    profile = {"sparse": None, "auto": "auto",
+               "two tiers": Profile(config_key(model.config), "llama", ((0, 0.9), (1, 0.0)))}[how]
+    policy = _tailor(profile=profile, tau=0.2 if how != "auto" else -0.0)
+    rows = [prompt(n, seed=150 + n)[0] for n in lengths]
+    ids, mask = left_padded(rows)
+    be, fwd = padded_compiled.forward(policy)
+    out, steps = _generate(model, fwd, ids, be, new=8, attention_mask=mask)
+    sites = be.runtime.sites
+    assert {s.info.layer: s.split is None for s in sites.values()} == in_place
+    moved = {site: r["bytes_moved"] for site, r in zip(sorted(sites), be.report_rows())}
+    alone_moved = dict.fromkeys(moved, 0)
+    for i, r in enumerate(rows):
+        be.set_policy(policy)
+        alone, alone_steps = _generate(model, fwd, r[None], be, new=8)
+        assert torch.equal(out.sequences[i, -8:], alone.sequences[0, -8:]), i
+        for x, y in zip(out.logits, alone.logits):
+            torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=1e-4)
+        for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
+            for site in sb:
+                assert _same_selection(sb[site][i], sa[site][0]), f"row {i}, step {step}, site {site}"
+        for site, r in zip(sorted(sites), be.report_rows()):
+            alone_moved[site] += r["bytes_moved"]
+    assert moved == alone_moved, "the batch moves what its rows alone move"
+
+
 def test_beam_search_on_a_padded_batch_follows_each_rows_beams(padded_compiled):
     """Beam search over a padded batch (the rows' states are reordered and copied per beam, or the batched
     metadata follows the reorder in place) gives each prompt's beams alone, for selecting policies served
-    in place and a merging policy served row by row."""
+    in place (TailorKV's sparse layers too) and a merging policy served row by row."""
     model = padded_compiled.model
     rows = [prompt(n, seed=60 + n)[0] for n in (28, 17)]
     ids, mask = left_padded(rows)
-    for name in ("Quest", "ClusterKV", "CentroidKV"):
+    for name in ("Quest", "ClusterKV", "CentroidKV", "TailorKV"):
         be, fwd = padded_compiled.forward(SMALL[name])
         out, _ = _generate(model, fwd, ids, be, attention_mask=mask, num_beams=2)
         for i, r in enumerate(rows):
@@ -224,7 +271,7 @@ def test_a_row_that_finishes_early_leaves_the_others_as_alone(padded_compiled):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(9, 40), min_size=2, max_size=3),
-    name=st.sampled_from(["Quest", "ClusterKV"]),
+    name=st.sampled_from(["Quest", "ClusterKV", "TailorKV"]),
 )
 def test_any_padding_gives_each_row_alone(padded_compiled, lengths, name):
     """Batches of 2-3 prompts of any lengths (so any padding, none included): tokens equal each row alone."""

@@ -401,6 +401,8 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     - ``attend_listed``: over ``N`` listed positions of ``S`` (distinct, sorted, random: a selection):
       the C kernel reading them in place against the torch path's gather into a reused workspace + SDPA;
       bytes: the listed K and V rows + io + idx.
+    - ``attend_listed_huge``: the same C call over K and V in the runtime's huge-page buffers
+      (:func:`kvpass.runtime.store.cpu_empty`) against 4 KiB pages (``baseline`` "4 KiB pages").
     - ``quest_top_pages``: bounds of ``S / page_size`` pages and the top ``N / page_size``:
       :func:`~kvpass.kernels.quest.quest_top_pages_cpu` against
       :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp32 a page).
@@ -417,6 +419,7 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     from kvpass.kernels import clusterkv, cpu_decode, quest, tailorkv
     from kvpass.kernels import sparse_attention as sa
     from kvpass.runtime.state import Workspace
+    from kvpass.runtime.store import cpu_empty
 
     if not (cpu_decode.available() and quest.quest_top_pages_cpu_available()
             and clusterkv.select_clusters_cpu_available() and tailorkv.cpu_select_available()):
@@ -449,7 +452,15 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             torch.testing.assert_close(c(), t(), atol=1e-4, rtol=1e-4)
             add("attend_listed", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 s.B * s.H_kv * s.N * (2 * s.D * 4 + 8) + io)
-            del q, k, v, idx, ws
+            # the same C call over a cache in huge pages (the runtime's buffers) against 4 KiB pages
+            kh, vh = cpu_empty(tuple(k.shape), k.dtype), cpu_empty(tuple(v.shape), v.dtype)
+            kh.copy_(k)
+            vh.copy_(v)
+            h = lambda: cpu_decode.cpu_decode_attention(q, kh, vh, idx, scale)  # noqa: E731
+            torch.testing.assert_close(h(), c(), atol=0, rtol=0)
+            add("attend_listed_huge", s, _time_cpu(h, quick), _time_cpu(c, quick),
+                s.B * s.H_kv * s.N * (2 * s.D * 4 + 8) + io, {"baseline": "4 KiB pages"})
+            del q, k, v, idx, ws, kh, vh
 
             qq, kmin, kmax = _quest_inputs(s, "cpu", torch.float32)
             meta = torch.cat([kmax, kmin], dim=-1).contiguous()

@@ -349,9 +349,10 @@ def write_page(rows: list[dict[str, Any]], path: Path, command: str) -> Path:
         f"Machine: {machine.get('cpu_count')} cores, {machine.get('processor')}, {machine.get('platform')}; Python "
         f"{machine.get('python')}, torch {machine.get('torch')}, transformers {machine.get('transformers')}.", "",
         f"Prompt lengths in this run: {lengths[0]} to {lengths[-1]} tokens, left-padded to the longest of each "
-        f"batch; {source} Quest and ClusterKV serve a "
-        "padded batch in place (each row's pages, or sinks and clusters, from its first real token); CentroidKV "
-        "and TailorKV serve it row by row (docs/design.md, \"Padding\"). Tokens equal to Full: greedy, at the same step of the "
+        f"batch; {source} Quest, ClusterKV and TailorKV's sparse layers serve a "
+        "padded batch in place (each row's pages, sinks and clusters, or sinks and candidates, from its first real "
+        "token); CentroidKV and TailorKV's quantised layers serve it row by row (docs/design.md, \"Padding\"). "
+        "Tokens equal to Full: greedy, at the same step of the "
         "same cell. The cells are one run on a shared machine: a cell moves by up to a quarter between runs.", "",
         "## Results", "", markdown_tables(rows),
     ]

@@ -92,7 +92,11 @@ static void exp_inplace(float *restrict x, int64_t n) {
 /* rows prefetched ahead: listed rows are scattered (clusters, pages), so the hardware cannot guess them */
 #define AHEAD 16
 /* rows of work (listed rows x pairs) below which a call runs on one thread */
-#define MIN_ROWS_PER_THREAD 8192
+#ifdef _OPENMP
+#define MIN_ROWS_PER_THREAD 1024  /* torch's warm pool: a parallel region costs microseconds */
+#else
+#define MIN_ROWS_PER_THREAD 8192  /* a thread started per call costs tens of microseconds */
+#endif
 static inline void prefetch_row(const float *r, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 0);
 }

@@ -917,15 +917,18 @@ int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
     return 0;
 }
 
-/* One (b, h) pair's list: the sinks [0, n_s), then the top k of the candidates [n_s, mid_end) by
-   sum_j qs_j * kT[ch_j, t] (qs: the query group's sum; NaN as -inf; ties to the lower position) in
-   position order (all candidates when they are at most k), then [mid_end, mid_end + n_r). sc (n) and
-   key (2 n) are scratch. Returns -2 for a channel outside [0, D). */
+/* One (b, h) pair's list, for a row whose first real position is f (0 without padding): the sinks
+   [f, f + n_s), then the top k of the candidates [f + n_s, mid_end) by sum_j qs_j * kT[ch_j, t] (qs: the
+   query group's sum; NaN as -inf; ties to the lower position) in position order (all candidates when they
+   are at most k), then [mid_end, mid_end + n_r), then -1 up to `width` (a row with fewer candidates than
+   the batch's widest). sc (n) and key (2 n) are scratch. Returns -2 for a channel outside [0, D), -3 for a
+   first position past the candidates. */
 static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t ts_d, const int64_t *cb,
-                       int64_t *o, float *sc, uint32_t *key, int64_t G, int64_t C, int64_t D,
-                       int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r) {
-    int64_t n = mid_end - n_s, j = 0;
-    for (int64_t t = 0; t < n_s; t++) o[j++] = t;
+                       int64_t *o, float *sc, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
+                       int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t width) {
+    int64_t lo = f + n_s, n = mid_end - lo, j = 0;
+    if (f < 0 || n < 0) return -3;
+    for (int64_t t = 0; t < n_s; t++) o[j++] = f + t;
     if (n > k && k > 0) {
         for (int64_t c = 0; c < C; c++)
             if (cb[c] < 0 || cb[c] >= D) return -2;
@@ -933,22 +936,23 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
         for (int64_t c = 0; c < C; c++) {
             float w = 0.f;
             for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
-            const float *row = kt + cb[c] * ts_d + n_s;
+            const float *row = kt + cb[c] * ts_d + lo;
             for (int64_t t = 0; t < n; t++) sc[t] += w * row[t];
         }
         uint32_t neg = fkey(-INFINITY, 0);
         for (int64_t t = 0; t < n; t++) key[t] = fkey(sc[t], neg);
     }
-    j += take_top(key, n, k, key + n, o + j, n_s);  /* every candidate when they are at most k */
+    j += take_top(key, n, k, key + n, o + j, lo);  /* every candidate when they are at most k */
     for (int64_t t = 0; t < n_r; t++) o[j++] = mid_end + t;
+    while (j < width) o[j++] = -1;
     return 0;
 }
 
 typedef struct {
     const float *q, *kT;
-    const int64_t *ch;
+    const int64_t *ch, *first;
     int64_t *out;
-    int64_t qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, lo, hi;
+    int64_t qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, width, lo, hi;
     int rc;
 } select_job;
 
@@ -963,7 +967,8 @@ static void *run_select(void *arg) {
         int64_t b = p / j->H, h = p % j->H;
         j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->kT + b * j->ts_b + h * j->ts_h,
                             j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
-                            sc, key, j->G, j->C, j->D, j->n_s, j->mid_end, j->k, j->n_r);
+                            sc, key, j->G, j->C, j->D, j->first ? j->first[b] : 0, j->n_s, j->mid_end, j->k,
+                            j->n_r, j->width);
     }
     free(sc);
     free(key);
@@ -971,12 +976,13 @@ static void *run_select(void *arg) {
 }
 
 #define MAX_THREADS 64
-/* kT (B, H, D, S) channel-major, ch (B, H, C), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs
-   split over up to `threads` threads when each gets at least 16k candidates. Returns 0, -1 (no memory),
-   -2 (a channel outside [0, D)). */
+/* kT (B, H, D, S) channel-major, ch (B, H, C), first (B) or NULL: each row's first real position (a
+   left-padded batch), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs split over up to `threads`
+   threads when each gets at least 16k candidates. Returns 0, -1 (no memory), -2 (a channel outside
+   [0, D)), -3 (a first position past mid_end - n_s). */
 int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                          const float *kT, int64_t ts_b, int64_t ts_h, int64_t ts_d,
-                         const int64_t *ch, int64_t cs_b, int64_t cs_h,
+                         const int64_t *ch, int64_t cs_b, int64_t cs_h, const int64_t *first,
                          int64_t *out, int64_t os_b, int64_t os_h,
                          int64_t B, int64_t H, int64_t G, int64_t C, int64_t D,
                          int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t threads) {
@@ -984,10 +990,11 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
     if (n <= k || pairs * n < 16384 * t) t = 1;  /* starting a thread costs more than it saves */
+    int64_t width = n_s + (n < k ? (n > 0 ? n : 0) : k) + n_r;
     select_job jobs[MAX_THREADS];
     for (int64_t i = 0; i < t; i++) {
-        select_job j = {q, kT, ch, out, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
-                        n_s, mid_end, k, n_r, pairs * i / t, pairs * (i + 1) / t, 0};
+        select_job j = {q, kT, ch, first, out, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
+                        n_s, mid_end, k, n_r, width, pairs * i / t, pairs * (i + 1) / t, 0};
         jobs[i] = j;
     }
 #ifdef _OPENMP
@@ -1159,7 +1166,7 @@ double kvpass_cosine_sum(const float *a, int64_t as_b, int64_t as_h, const float
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _CHANNELS_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I]
-_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _P, _I, _I, _P, _I, _I] + [_I] * 10
+_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I] + [_I] * 10
 _COSINE_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I]
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
@@ -1210,7 +1217,8 @@ def critical_channels_cpu(q: torch.Tensor, kabs_max: torch.Tensor, n: int) -> to
 
 
 def tailor_select_cpu(
-    q: torch.Tensor, kT: torch.Tensor, ch: torch.Tensor, n_sinks: int, mid_end: int, k: int, n_recent: int
+    q: torch.Tensor, kT: torch.Tensor, ch: torch.Tensor, n_sinks: int, mid_end: int, k: int, n_recent: int,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The positions a sparse layer's decode step attends, in one C call (fp32 CPU).
 
@@ -1220,12 +1228,15 @@ def tailor_select_cpu(
         ch: ``(B, H_kv, C)`` int64 critical channels (:func:`critical_channels`).
         n_sinks, mid_end, k, n_recent: the sinks ``[0, n_sinks)``, the candidates ``[n_sinks, mid_end)``,
             the top-k, the recent tokens ``[mid_end, mid_end + n_recent)``.
+        first: ``(B,)`` int64, each row's first real position in a left-padded batch (None: 0): row ``b``'s
+            sinks are ``[f_b, f_b + n_sinks)`` and its candidates ``[f_b + n_sinks, mid_end)``.
 
     Returns:
         ``(B, H_kv, n_sinks + min(k, mid_end - n_sinks) + n_recent)`` int64: the sinks, the top k
         candidates of :func:`partial_topk_ref`'s scores (``sum_j (sum_g q_g)[ch_j] * K[t, ch_j]``; NaN
         as -inf; ties to the lower position) in position order (every candidate when there are at most
-        k), then the recent tokens.
+        k), then the recent tokens; a padded row with fewer candidates than the list has room for ends
+        with -1 (skipped by the attention).
     """
     fn = _cpu_fn("kvpass_tailor_select", _SELECT_ARGTYPES)
     b, h_q, d = q.shape
@@ -1234,21 +1245,28 @@ def tailor_select_cpu(
           and _plain_cpu(ch, torch.int64) and q.dim() == 3 and kT.dim() == 4 and ch.dim() == 3
           and kT.shape[0] == b and kT.shape[2] == d and kT.shape[1] > 0 and h_q % kT.shape[1] == 0
           and tuple(ch.shape[:2]) == tuple(kT.shape[:2]) and 0 <= n_sinks and n >= 0 and k >= 0
-          and n_recent >= 0 and mid_end + n_recent <= kT.shape[3])
+          and n_recent >= 0 and mid_end + n_recent <= kT.shape[3]
+          and (first is None or (_plain_cpu(first, torch.int64) and first.shape == (b,) and first.is_contiguous())))
     if not ok:
         raise ValueError(
             "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and kT (B, H_kv, D, S) with contiguous last "
-            "dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S and the C "
-            f"kernel built; got q {tuple(q.shape)} {q.dtype}, kT {tuple(kT.shape)} {kT.dtype}, ch "
-            f"{tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, mid_end={mid_end}, k={k}, n_recent={n_recent}")
+            "dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, first None or a "
+            f"contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
+            f"{tuple(kT.shape)} {kT.dtype}, ch {tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, "
+            f"mid_end={mid_end}, k={k}, n_recent={n_recent}, first "
+            f"{None if first is None else (tuple(first.shape), first.dtype)}")
     h = kT.shape[1]
     out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
     if out.numel():
         rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kT.data_ptr(), *kT.stride()[:3], ch.data_ptr(),
-                ch.stride(0), ch.stride(1), out.data_ptr(), out.stride(0), out.stride(1), b, h, h_q // h,
-                ch.shape[2], d, n_sinks, mid_end, k, n_recent, torch.get_num_threads())
+                ch.stride(0), ch.stride(1), None if first is None else first.data_ptr(), out.data_ptr(),
+                out.stride(0), out.stride(1), b, h, h_q // h, ch.shape[2], d, n_sinks, mid_end, k, n_recent,
+                torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")
+        if rc == -3:
+            raise ValueError(f"kvpass: tailor_select_cpu needs each row's first position in [0, mid_end - "
+                             f"n_sinks = {n}]")
         if rc != 0:
             raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
     return out

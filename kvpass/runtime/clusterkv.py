@@ -232,7 +232,7 @@ class ClusterState(SiteState):
         self.offsets = torch.cat([self.offsets[..., :-1], offsets + self.order.shape[2]], dim=2)
         self.order = torch.cat([self.order, order], dim=2)
 
-    def serves_padded(self, first: list[int], length: int, new_tokens: int) -> bool:
+    def serves_padded(self, first: list[int], length: int, new_tokens: int, like: torch.Tensor) -> bool:
         """In place when every row clusters at this first forward, as it would alone (its clustered
         range then ends where every other row's does). Offloading, and a batch with a row too short to
         cluster yet (its own tail would differ), are served row by row."""

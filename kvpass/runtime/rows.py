@@ -4,7 +4,8 @@ A policy whose metadata is laid out per batch (ClusterKV's clusters, CentroidKV'
 TailorKV's quantisation groups and host tier) would mix padding into a row's clusters, merges or groups,
 or shift a row's group boundaries by its padding. Such a state (``rows_native`` False) is asked once,
 where a padded sequence starts, whether it serves it itself (``SiteState.serves_padded``: ClusterKV
-when every row clusters at its prefill; ``in_place`` then holds for the sequence). Otherwise it serves
+when every row clusters at its prefill, TailorKV's sparse layers on the CPU path when every row has more
+candidates than the top-k; ``in_place`` then holds for the sequence). Otherwise it serves
 a left-padded batch through a :class:`RowSplit`: one state of the same policy per batch row, fed
 that row's real tokens only, in the row's own positions (position 0 is the row's first real token). Each
 row's state is exactly the state the prompt would have alone, so its selection, its merges and its
@@ -242,7 +243,7 @@ def run_owned(st: SiteState, q, k_new, v_new, past_k, past_v, attn_mask, scale, 
             f"({st.policy.name}, {past} cached tokens); pass the whole padded prompt in the first forward"
         )
     first = first_positions(valid, q.shape[0], "in its prefill")
-    if st.serves_padded(first, past + t, t):
+    if st.serves_padded(first, past + t, t, k_new):
         st.split, st.in_place = None, True
         return st.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
     _start(st, first, past)
@@ -263,7 +264,7 @@ def run(st: SiteState, call: AttentionCall, static: bool) -> torch.Tensor:
         st.split, st.in_place = None, False
         return st.forward(call, static=static)
     first = first_positions(valid, call.q.shape[0], "in its first forward")
-    if st.serves_padded(first, call.length, call.new_tokens):
+    if st.serves_padded(first, call.length, call.new_tokens, call.k):
         st.split, st.in_place = None, True
         call.start = 0  # a new sequence for this state: its metadata is built from the cache
         return st.forward(call, static=static)

@@ -371,10 +371,10 @@ class SiteState:
             split.reorder(rows, past)
         return True
 
-    def serves_padded(self, first: list[int], length: int, new_tokens: int) -> bool:
+    def serves_padded(self, first: list[int], length: int, new_tokens: int, like: torch.Tensor) -> bool:
         """Whether a state that is not ``rows_native`` serves a left-padded sequence itself: rows whose
         first real positions are ``first``, starting with a forward of ``new_tokens`` tokens that ends at
-        ``length``. Asked once, where the sequence starts; False sends it row by row (:mod:`kvpass.runtime.rows`)."""
+        ``length``, with keys like ``like``. Asked once, where the sequence starts; False sends it row by row (:mod:`kvpass.runtime.rows`)."""
         return False
 
     def all_events(self) -> int:

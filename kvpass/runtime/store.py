@@ -12,9 +12,48 @@ shows up as a shorter stub.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
+import sys
+
 import torch
 
 from kvpass.runtime.state import KVPassError
+
+
+_HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 Linux
+_MADV_HUGEPAGE = 14
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise`` (Linux), else None; a handle on the C library, no state."""
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def cpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, 2 MiB-aligned and advised for transparent huge pages
+    when it holds at least 2 MiB (Linux with THP in ``madvise`` or ``always`` mode; elsewhere a plain
+    ``torch.empty``). A decode step that reads 1024 rows scattered over an 8k-token cache touches a 4 KiB
+    page for nearly every row, and the TLB misses halve the rows' read rate; huge pages give it back
+    (docs/design.md, "Huge pages for the caches"). The pages are faulted in when first written, so the
+    advice holds before any is."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise() if n >= _HUGE else None
+    if madvise is None:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(n + _HUGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % _HUGE
+    madvise(raw.data_ptr() + off, n // _HUGE * _HUGE, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
+    return raw[off : off + n].view(dtype).view(shape)
 
 
 def make_stub(k: torch.Tensor, length: int, base: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,10 +302,12 @@ class OwnedKV:
             cap = max(need, int(self.k.shape[2] * self.GROWTH))
         b, h, _, dk = like_k.shape
         cap = -(-cap // 64) * 64  # whole pages for page-granular policies (page sizes dividing 64)
-        if self.host:
-            pin = torch.cuda.is_available()
-            k = torch.empty((b, h, cap, dk), dtype=like_k.dtype, pin_memory=pin)
-            v = torch.empty((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=pin)
+        if self.host and torch.cuda.is_available():  # pinned: the side stream's copies stay asynchronous
+            k = torch.empty((b, h, cap, dk), dtype=like_k.dtype, pin_memory=True)
+            v = torch.empty((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=True)
+        elif self.host or like_k.device.type == "cpu":
+            k = cpu_empty((b, h, cap, dk), like_k.dtype)
+            v = cpu_empty((b, h, cap, like_v.shape[3]), like_v.dtype)
         else:
             k = like_k.new_empty((b, h, cap, dk))
             v = like_v.new_empty((b, h, cap, like_v.shape[3]))

@@ -152,7 +152,9 @@ class PackedCache:
 
 
 class TailorState(SiteState):
-    rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+    # a padded batch is served in place by a sparse layer on the CPU path (serves_padded), else row by row
+    # (kvpass.runtime.rows)
+    rows_native = False
 
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
@@ -184,6 +186,9 @@ class TailorState(SiteState):
         self.n_s = 0  # sinks held (fixed when the sequence is loaded)
         self.listed: torch.Tensor | None = None  # in_c: (B, H_kv, N) positions this step attends
         self.channel_bytes = 0  # in_c: the critical channels a GPU's prefetch would copy this step
+        # a left-padded batch served in place: (B,) int64 each row's first real position, and their sum
+        self.first: torch.Tensor | None = None
+        self.first_sum = 0
         self.prefetched = 0
         self.event = None  # CUDA: the prefetch's copy on the side stream
 
@@ -196,6 +201,8 @@ class TailorState(SiteState):
             self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
             return
         if p.profile == "auto":
+            if self.first is not None:  # serves_padded refuses "auto"
+                raise KVPassError("kvpass: TailorKV(profile='auto') cannot serve a padded batch in place")
             from kvpass.tailorkv import dense_preference
 
             scores = self.shared.setdefault("tailorkv.scores", {})
@@ -207,6 +214,37 @@ class TailorState(SiteState):
         self.tier = QUANTISED if self.score > p.tau else SPARSE
         if self.tier == SPARSE:
             self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
+
+    def _profile_tier(self) -> str | None:
+        """This layer's tier where the profile fixes it without the prompt's queries (None: ``"auto"``)."""
+        p = self.policy
+        if p.profile is None:
+            return SPARSE
+        if p.profile == "auto":
+            return None
+        return QUANTISED if p.profile.score(self.info.layer) > p.tau else SPARSE
+
+    @staticmethod
+    def _c_path(like: torch.Tensor) -> bool:
+        """Whether a sparse layer of keys like ``like`` runs on the CPU path (``in_c``)."""
+        from kvpass.kernels import cpu_decode
+        from kvpass.kernels.tailorkv import cpu_select_available
+
+        return (like.device.type == "cpu" and like.dtype == torch.float32 and cpu_decode.available()
+                and cpu_select_available())
+
+    def serves_padded(self, first: list[int], length: int, new_tokens: int, like: torch.Tensor) -> bool:
+        """In place for a sparse layer on the CPU path whose every row has more candidates than the top-k
+        at the start (``static_tokens + topk`` own tokens, and one more): each row's sinks, candidates and
+        recent tokens then sit at fixed offsets from its first real token, as alone (the C step list takes
+        the rows' first positions), and ``max |K|`` is taken over the row's own keys. A quantised layer
+        (its groups of tokens would start at the padded position), the torch path, a ``profile="auto"``
+        (tiers from each prompt's own queries) and shorter rows are served row by row."""
+        if self._profile_tier() != SPARSE or not self._c_path(like):
+            return False
+        p = self.policy
+        loaded = length if new_tokens > 1 else length - 1  # an adopting decode step loads what precedes it
+        return all(loaded - f - p.static_tokens > p.topk for f in first)
 
     @property
     def n_sinks(self) -> int:
@@ -233,22 +271,37 @@ class TailorState(SiteState):
             return
         n_s, n_r = self.n_sinks, self.n_recent
         self.n_s = n_s
-        from kvpass.kernels import cpu_decode
-        from kvpass.kernels.tailorkv import cpu_select_available
-
-        self.in_c = (dev.type == "cpu" and k.dtype == torch.float32 and cpu_decode.available()
-                     and cpu_select_available())
+        self.in_c = dev.type == "cpu" and self._c_path(k)
+        if self.first is not None and not self.in_c:
+            raise KVPassError("kvpass: TailorKV serves a padded batch in place on the CPU path only (fp32, the C "
+                              "kernels built); this sequence must be served row by row")
         # a channel-major copy of the keys in the host tier: the prefetch of c critical channels then
         # reads c contiguous rows, c/D of the keys, instead of touching every key
         b, h, _, d = k.shape
         cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
-        self.kT = torch.zeros((b, h, d, cap), dtype=k.dtype, pin_memory=torch.cuda.is_available())
+        self.kT = self._host_empty((b, h, d, cap), k.dtype)
         self.kT[:, :, :, :length] = k.transpose(2, 3)
+        self.kT[:, :, :, length:].zero_()
         if not self.in_c:
             self.sink_k, self.sink_v = k[:, :, :n_s].to(dev, copy=True), v[:, :, :n_s].to(dev, copy=True)
             self.rec_k = k[:, :, length - n_r :].to(dev, copy=True)
             self.rec_v = v[:, :, length - n_r :].to(dev, copy=True)
-        self.kabs = k.abs().amax(dim=2).float().to(dev) if length else None
+        if not length:
+            self.kabs = None
+        elif self.first is None:
+            self.kabs = k.abs().amax(dim=2).float().to(dev)
+        else:  # each row's own keys: padding is never a maximum
+            own = torch.arange(length, device=k.device) >= self.first.to(k.device)[:, None]  # (B, L)
+            self.kabs = k.abs().mul_(own[:, None, :, None]).amax(dim=2).float().to(dev)
+
+    @staticmethod
+    def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host-tier buffer: pinned where a GPU copies from it, else in huge pages (store.cpu_empty)."""
+        from kvpass.runtime.store import cpu_empty
+
+        if torch.cuda.is_available():
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return cpu_empty(shape, dtype)
 
     def _in_c(self, *ts: torch.Tensor) -> bool:
         """Whether this step's C path serves queries ``ts`` (fp32, a contiguous last dim) on an ``in_c`` layer."""
@@ -305,10 +358,13 @@ class TailorState(SiteState):
             from kvpass.kernels.tailorkv import critical_channels_cpu
 
             self.ch = critical_channels_cpu(q_hat, self.kabs, c)  # the fetch reads these rows of kT in place
-            self.channel_bytes = self.ch.shape[0] * self.ch.shape[1] * c * n * self.kT.element_size()
+            # every row's own candidates (a padded row's start later by its padding)
+            n_all = self.ch.shape[0] * n - self.first_sum
+            self.channel_bytes = self.ch.shape[1] * c * n_all * self.kT.element_size()
             self.bytes_moved += self.channel_bytes  # what a GPU's prefetch copies
             self.prefetched += self.channel_bytes
             return
+        self._c_only()
         self.ch = critical_channels(q_hat, self.kabs, c)  # (B, H_kv, c)
         b, h = self.ch.shape[:2]
         channels = take_rows(self.kT, self.ch)[..., n_s:mid_end]  # (B, H_kv, c, n)
@@ -378,11 +434,12 @@ class TailorState(SiteState):
             if n_mid > p.topk and self.ch is None:  # no prefetch ran for this step (an adopted cache)
                 self._prefetch(q, length)
             ch = self.ch if self.ch is not None else q.new_zeros((*self.kabs.shape[:2], 0), dtype=torch.int64)
-            self.listed = tailor_select_cpu(q, self.kT, ch, n_s, mid_end, p.topk, n_r)
+            self.listed = tailor_select_cpu(q, self.kT, ch, n_s, mid_end, p.topk, n_r, self.first)
             kk = min(p.topk, max(n_mid, 0))
             self.bytes_moved += 2 * self.listed.shape[0] * self.listed.shape[1] * kk * host_k.shape[3] * host_k.element_size()
             self.plan = (n_s, kk, n_r)
             return
+        self._c_only()
         if n_mid <= 0:
             picked = None
         elif n_mid <= p.topk:
@@ -398,6 +455,18 @@ class TailorState(SiteState):
             self.sel_v = take_rows(host_v, picked).to(dev, non_blocking=True)
             self.bytes_moved += self.sel_k.numel() * self.sel_k.element_size() + self.sel_v.numel() * self.sel_v.element_size()
         self.plan = (n_s, picked, n_r)
+
+    def _c_only(self) -> None:
+        """The torch path has no per-row offsets: a padded batch served in place must stay on the C path."""
+        if self.first is not None:
+            raise KVPassError("kvpass: TailorKV serves this padded batch in place on the CPU path, and this step's "
+                              "queries left it (not fp32 with a contiguous last dim); decode in fp32, or start "
+                              "the batch again to serve it row by row")
+
+    def _set_first(self, first: torch.Tensor | None, batch: int) -> None:
+        """The rows' first real positions ``(B,)`` of a padded batch served in place (None: no padding)."""
+        self.first = None if first is None else first.expand(batch).to(torch.int64).contiguous()
+        self.first_sum = 0 if first is None else int(self.first.sum())
 
     # -- attention -------------------------------------------------------------------------------
     def forward(self, call, owned: bool = False, static: bool = False) -> torch.Tensor:
@@ -418,6 +487,9 @@ class TailorState(SiteState):
             # a new sequence: a prefill, or a cache filled outside kvpass (adopted at this step)
             t0 = time.perf_counter()
             self.reset()
+            # padding is served here only where serves_padded said so (in_place); row states see none
+            self.pad.valid(attn_mask if self.in_place else None, length, True)
+            self._set_first(self.pad.first if self.pad.padded else None, q.shape[0])
             k_all = k_new if not past else torch.cat([past_k, k_new], 2)
             v_all = v_new if not past else torch.cat([past_v, v_new], 2)
             self.check_keys(k_all, "at prefill" if not past else
@@ -471,6 +543,9 @@ class TailorState(SiteState):
             self.kT = batch_rows(self.kT, rows)
             for name in ("sink_k", "sink_v", "rec_k", "rec_v", "kabs"):
                 setattr(self, name, batch_rows(getattr(self, name), rows))
+            if self.first is not None:
+                self.reorder_rows(rows)  # the padding's rows (pad.first) follow
+                self._set_first(self.first.index_select(0, rows), rows.shape[0])
             # the fetch ran (or skipped a resized batch): select again; without it _decode says it is missing
             redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
             self._wait(q.device)
@@ -555,8 +630,9 @@ class TailorState(SiteState):
         st.k[:, :, st.length : end] = k_new
         st.v[:, :, st.length : end] = v_new
         if self.kT.shape[3] < end:
-            kT = self.kT.new_zeros((*self.kT.shape[:3], st.k.shape[2]))
+            kT = self._host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
             kT[..., : st.length] = self.kT[..., : st.length]
+            kT[..., st.length :].zero_()
             self.kT = kT
         self.kT[:, :, :, st.length : end] = k_new.transpose(2, 3)
         st.length = end
