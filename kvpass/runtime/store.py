@@ -46,7 +46,7 @@ def cpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     page for nearly every row, and the TLB misses halve the rows' read rate; huge pages give it back
     (docs/design.md, "Huge pages for the caches"). The pages are faulted in when first written, so the
     advice holds before any is."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     madvise = _madvise() if n >= _HUGE else None
     if madvise is None:
         return torch.empty(shape, dtype=dtype)
