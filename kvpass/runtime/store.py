@@ -56,6 +56,14 @@ def cpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[off : off + n].view(dtype).view(shape)
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host-tier buffer: pinned where a GPU copies from it (the side stream's copies stay asynchronous),
+    else on the CPU in huge pages (``cpu_empty``)."""
+    if torch.cuda.is_available():
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return cpu_empty(shape, dtype)
+
+
 def make_stub(k: torch.Tensor, length: int, base: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, length, D) with sequence stride 0; row b holds the value b (the batch row's index).
 
@@ -302,10 +310,10 @@ class OwnedKV:
             cap = max(need, int(self.k.shape[2] * self.GROWTH))
         b, h, _, dk = like_k.shape
         cap = -(-cap // 64) * 64  # whole pages for page-granular policies (page sizes dividing 64)
-        if self.host and torch.cuda.is_available():  # pinned: the side stream's copies stay asynchronous
-            k = torch.empty((b, h, cap, dk), dtype=like_k.dtype, pin_memory=True)
-            v = torch.empty((b, h, cap, like_v.shape[3]), dtype=like_v.dtype, pin_memory=True)
-        elif self.host or like_k.device.type == "cpu":
+        if self.host:
+            k = host_empty((b, h, cap, dk), like_k.dtype)
+            v = host_empty((b, h, cap, like_v.shape[3]), like_v.dtype)
+        elif like_k.device.type == "cpu":
             k = cpu_empty((b, h, cap, dk), like_k.dtype)
             v = cpu_empty((b, h, cap, like_v.shape[3]), like_v.dtype)
         else:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpass.runtime.state import KVPassError, SiteState, _make_call, _range
-from kvpass.runtime.store import SAME, grow_seq, reorder_needed
+from kvpass.runtime.store import SAME, grow_seq, host_empty, reorder_needed
 
 QUANTISED, SPARSE = "quantised", "sparse"
 
@@ -196,11 +196,11 @@ class TailorState(SiteState):
     def _decide(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
         """This layer's tier, from the profile (or this prompt's queries with ``profile="auto"``)."""
         p, layer = self.policy, self.info.layer
-        if p.profile is None:
-            self.tier = SPARSE
-            self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
-            return
-        if p.profile == "auto":
+        tier = self._profile_tier()
+        if tier is not None:
+            self.tier = tier
+            self.score = None if p.profile is None else p.profile.score(layer)
+        else:
             if self.first is not None:  # serves_padded refuses "auto"
                 raise KVPassError("kvpass: TailorKV(profile='auto') cannot serve a padded batch in place")
             from kvpass.tailorkv import dense_preference
@@ -209,9 +209,7 @@ class TailorState(SiteState):
             if layer not in scores:
                 scores[layer] = dense_preference(q, k, p.calib_queries, p.calib_topk, scale)
             self.score = scores[layer]
-        else:
-            self.score = p.profile.score(layer)
-        self.tier = QUANTISED if self.score > p.tau else SPARSE
+            self.tier = QUANTISED if self.score > p.tau else SPARSE
         if self.tier == SPARSE:
             self.shared.setdefault("tailorkv.sparse_layers", set()).add(layer)
 
@@ -279,7 +277,7 @@ class TailorState(SiteState):
         # reads c contiguous rows, c/D of the keys, instead of touching every key
         b, h, _, d = k.shape
         cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
-        self.kT = self._host_empty((b, h, d, cap), k.dtype)
+        self.kT = host_empty((b, h, d, cap), k.dtype)
         self.kT[:, :, :, :length] = k.transpose(2, 3)
         self.kT[:, :, :, length:].zero_()
         if not self.in_c:
@@ -293,15 +291,6 @@ class TailorState(SiteState):
         else:  # each row's own keys: padding is never a maximum
             own = torch.arange(length, device=k.device) >= self.first.to(k.device)[:, None]  # (B, L)
             self.kabs = k.abs().mul_(own[:, None, :, None]).amax(dim=2).float().to(dev)
-
-    @staticmethod
-    def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host-tier buffer: pinned where a GPU copies from it, else in huge pages (store.cpu_empty)."""
-        from kvpass.runtime.store import cpu_empty
-
-        if torch.cuda.is_available():
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return cpu_empty(shape, dtype)
 
     def _in_c(self, *ts: torch.Tensor) -> bool:
         """Whether this step's C path serves queries ``ts`` (fp32, a contiguous last dim) on an ``in_c`` layer."""
@@ -630,7 +619,7 @@ class TailorState(SiteState):
         st.k[:, :, st.length : end] = k_new
         st.v[:, :, st.length : end] = v_new
         if self.kT.shape[3] < end:
-            kT = self._host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
+            kT = host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
             kT[..., : st.length] = self.kT[..., : st.length]
             kT[..., st.length :].zero_()
             self.kT = kT
