@@ -363,3 +363,27 @@ def test_select_rows_cpu_errors():
         quest_select_cpu(q, meta, torch.zeros(3, dtype=torch.int64), 12, 4, 8, 1, 1)
     with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs fp32"):
         quest_select_cpu(q, meta, None, 40, 4, 8, 1, 1)  # 10 pages do not fit meta's 5
+
+
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_select_rows_cpu_split_over_threads_equals_one_thread(gqa):
+    """Enough pairs and pages that the C choice splits the (row, KV head) pairs over two threads: the
+    same pages and positions as on one thread, and the reference's on exact (integral) bounds."""
+    from kvpass.kernels.quest import quest_select_cpu, quest_select_ref
+
+    b, h_kv, g, d, page, length, budget = 4, 3, 3, 64, 16, 4000, 512
+    q, meta = _top_inputs(b, h_kv, g, d, -(-length // page) + 1, True, 5)
+    first = torch.tensor([0, 17, 900, 3999])
+    n = budget // page - 1
+    args = (q, meta, first, length, page, budget, n, n, gqa)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = quest_select_cpu(*args)
+        torch.set_num_threads(1)
+        one = quest_select_cpu(*args)
+    finally:
+        torch.set_num_threads(threads)
+    ref = quest_select_ref(*args)
+    for a, o, r in zip(two, one, ref):
+        assert torch.equal(a, o) and torch.equal(a, r)

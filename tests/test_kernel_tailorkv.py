@@ -700,6 +700,26 @@ def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, 
     assert torch.equal(got, naive_step_list(q, kT, ch, n_s, mid_end, k, n_r, first))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_tailor_select_cpu_matches_naive_loop_past_a_tile(padded):
+    """Candidates over several of the C kernel's tiles (512) and 16-key blocks, integer scores (ties at the
+    cut span blocks), pairs enough to split over threads: the naive loop's list."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, G, D, S, n_s, n_r, k = 2, 3, 2, 8, 1500, 5, 7, 411
+    q = torch.randint(-2, 3, (B, H * G, D), generator=gen).float()
+    kT = torch.randint(-2, 3, (B, H, D, S), generator=gen).float()
+    ch = torch.randint(0, D, (B, H, 2), generator=gen)
+    first = torch.tensor([0, 333]) if padded else None
+    want = naive_step_list(q, kT, ch, n_s, S - n_r, k, n_r, first)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):  # 6 pairs of about 1.5k candidates: two threads split them
+            torch.set_num_threads(t)
+            assert torch.equal(tailor_select_cpu(q, kT, ch, n_s, S - n_r, k, n_r, first), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_tailor_select_cpu_equals_partial_topk_on_random_keys():
     """Gaussian scores (no ties): the same top k as partial_topk_ref over the prefetched channels."""
     gen = torch.Generator().manual_seed(3)

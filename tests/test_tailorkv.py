@@ -208,7 +208,11 @@ def test_sparse_layers_report_the_same_bytes_on_both_cpu_paths(monkeypatch):
         prefill_then_decode(policy, length=120, steps=3, owned=True, rt=rt)
         st_ = rt.state(0)
         assert st_.in_c == (path == "c")
-        got.append((st_.kv_bytes, st_.bytes_moved, st_.prefetched, st_.host_bytes()))
+        got.append((st_.kv_bytes, st_.bytes_moved, st_.prefetched, st_.host_bytes(), st_.selection_bytes()))
+        # the last step scored every candidate (all but the static tokens) on 3 key channels, fp32
+        b, h = st_.kT.shape[:2]
+        assert st_.selection_bytes() == b * h * 3 * (st_.logical - policy.static_tokens) * 4
+        assert rt.state(0).row()["selection_bytes"] == st_.selection_bytes()
     assert got[0] == got[1]
 
 

@@ -30,7 +30,8 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   sequence), the attended KV (``tokens_attended`` of ``backend.report_rows()`` summed over sites × 2 ×
   H_kv × head_dim × element size × batch) and, for compressed policies, the metadata bound
   ``device_bytes - tokens_held × 2 × H_kv × head_dim × element size × batch`` per site (everything the
-  site holds on the device beyond its keys and values, buffer slack included: an upper bound). Achieved
+  site holds on the device beyond its keys and values, buffer slack included: an upper bound) plus the
+  site's ``selection_bytes`` (what its selection read from a host tier: TailorKV's key channels). Achieved
   GB/s = bytes / step time, and its share of this machine's bandwidth, measured by the command at the
   same thread count (:func:`measure_bandwidth`: the best of a few 512 MB tensor sums and copies).
 - **Breakdown** (:func:`breakdown`): ``--profile-steps`` extra steps under ``torch.profiler`` in the cells
@@ -224,7 +225,9 @@ def _site_sums(backend) -> dict[str, Any]:
 
 
 def _metadata_bytes(rows: list[dict], per_token: int, batch: int) -> int:
-    return sum(max(0, int(r.get("device_bytes", 0)) - int(r.get("tokens_held", 0)) * per_token * batch) for r in rows)
+    """Per site: the device bytes besides the KV held, plus what the step's selection read from a host tier."""
+    return sum(max(0, int(r.get("device_bytes", 0)) - int(r.get("tokens_held", 0)) * per_token * batch)
+               + int(r.get("selection_bytes", 0)) for r in rows)
 
 
 def _now() -> str:
@@ -744,8 +747,10 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
         f"`backend.report_rows()` summed over sites × {per_tok} B per token (2 × {r0['kv_heads']} KV heads × "
         f"{r0['head_dim']} × {r0['element_size']} B) × batch (eager HF: every token at every layer), plus, for "
         "compressed policies, the metadata bound: per site `device_bytes` minus the keys and values it holds "
-        "(everything else it keeps on the device, buffer slack included, so an upper bound on what a step reads). "
-        "Tokens fetched from a host tier (TailorKV) are counted once, as attended. GB/s = bytes / ms per token; "
+        "(everything else it keeps on the device, buffer slack included, so an upper bound on what a step reads) "
+        "plus `selection_bytes`, what the step's selection read from a host tier (TailorKV: the critical key "
+        "channels of every candidate token). Tokens fetched from a host tier (TailorKV) are counted once, as "
+        "attended. GB/s = bytes / ms per token; "
         "the share is of the bandwidth measured above at the same thread count.",
         "- **Ratios**: × Full is to kvpass Full at the same context, batch and threads; × floor is to F(N, B), "
         "Full's own ms/token at context N = the tokens the policy attends per site (from the report, averaged "

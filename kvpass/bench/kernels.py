@@ -63,7 +63,9 @@ import math
 import re
 import shutil
 import subprocess
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -154,6 +156,19 @@ def _time_cpu(fn: Callable[[], Any], quick: bool) -> float:
         min_run_time=0.05 if quick else 0.5
     )
     return m.median * 1e3
+
+
+def _time_cpu_cold(fn: Callable[[], Any], quick: bool, flush: torch.Tensor) -> float:
+    """Median ms of single calls of ``fn``, each after writing ``flush`` (a buffer larger than the
+    last-level cache), so that each call reads its operands from memory, as a layer of a model does."""
+    fn()
+    times = []
+    for _ in range(5 if quick else 25):
+        flush.add_(1)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def _time_cuda(fn: Callable[[], Any], quick: bool) -> float:
@@ -403,6 +418,9 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       bytes: the listed K and V rows + io + idx.
     - ``attend_listed_huge``: the same C call over K and V in the runtime's huge-page buffers
       (:func:`kvpass.runtime.store.cpu_empty`) against 4 KiB pages (``baseline`` "4 KiB pages").
+    - ``attend_listed_cold``: that call with the caches flushed before each call (operands from
+      memory, as in a model's step) against the same call over ``N`` contiguous rows, also cold (the
+      floor F(N) reads those); the price of scattered rows.
     - ``quest_top_pages``: bounds of ``S / page_size`` pages and the top ``N / page_size``:
       :func:`~kvpass.kernels.quest.quest_top_pages_cpu` against
       :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp32 a page).
@@ -460,6 +478,15 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             torch.testing.assert_close(h(), c(), atol=0, rtol=0)
             add("attend_listed_huge", s, _time_cpu(h, quick), _time_cpu(c, quick),
                 s.B * s.H_kv * s.N * (2 * s.D * 4 + 8) + io, {"baseline": "4 KiB pages"})
+            # from memory, as inside a model (the caches flushed before each call): N listed rows of the
+            # huge-page cache against N contiguous rows of it, the floor's read
+            flush = torch.zeros(32 << 20, dtype=torch.int32)  # 128 MB, past a last-level cache
+            kn, vn = kh[:, :, : s.N], vh[:, :, : s.N]
+            contiguous = lambda: cpu_decode.cpu_decode_attention(q, kn, vn, None, scale)  # noqa: E731
+            add("attend_listed_cold", s, _time_cpu_cold(h, quick, flush),
+                _time_cpu_cold(contiguous, quick, flush), s.B * s.H_kv * s.N * (2 * s.D * 4 + 8) + io,
+                {"baseline": f"{s.N} contiguous rows"})
+            del flush
             del q, k, v, idx, ws, kh, vh
 
             qq, kmin, kmax = _quest_inputs(s, "cpu", torch.float32)

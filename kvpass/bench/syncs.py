@@ -69,8 +69,8 @@ class OpLog(TorchDispatchMode):
             self.syncs.append(name)
         if name.startswith("kvpass::"):
             # run the op's Python body under a fresh log (calling the op itself would dispatch to it)
-            from torch._library.custom_ops import OPDEFS
+            from kvpass.lowering.ops import IMPLS
 
             with OpLog(self.ops, self.syncs):
-                return OPDEFS[name]._init_fn(*args, **kwargs)
+                return IMPLS[name](*args, **kwargs)
         return func(*args, **kwargs)

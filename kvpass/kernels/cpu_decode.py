@@ -100,6 +100,9 @@ static void exp_inplace(float *restrict x, int64_t n) {
 static inline void prefetch_row(const float *r, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 0);
 }
+static inline void prefetch_row_l2(const float *r, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 2);
+}
 
 /* One (batch row, KV head) pair: G queries over N listed rows of k, v, plus bias[pos] when bias is not
    NULL (a bias of -inf skips the row, as a position outside [0, S) is skipped). sc is G*N floats of
@@ -127,11 +130,17 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
     }
     for (int64_t g = 0; g < G; g++) memset(out + g * os_h, 0, sizeof(float) * D);
     if (!valid) return;
+    /* listed rows whose V rows fit in half of a 1 MB L2: pass 1 also prefetches the V row into L2, so that
+       pass 2 reads it from there (two rows in flight per row scored; the hardware cannot guess either) */
+    const int v_ahead = idx && N * D * 4 <= (1 << 19);
     /* pass 1: scores, laid out g-major (sc[g * N + n]) so that the exp runs over one array */
     for (int64_t n = 0; n < N; n++) {
         int64_t pos = rows[n];
         if (pos < 0) { for (int64_t g = 0; g < G; g++) sc[g * N + n] = -FLT_MAX; continue; }
-        if (n + AHEAD < N && rows[n + AHEAD] >= 0) prefetch_row(k + rows[n + AHEAD] * ks_s, 4 * D);
+        if (n + AHEAD < N && rows[n + AHEAD] >= 0) {
+            prefetch_row(k + rows[n + AHEAD] * ks_s, 4 * D);
+            if (v_ahead) prefetch_row_l2(v + rows[n + AHEAD] * vs_s, 4 * D);
+        }
         const float *kr = k + pos * ks_s;
         const float b = bias ? bias[pos * bs_s] : 0.f;
         for (int64_t g = 0; g < G; g++) {

@@ -848,28 +848,89 @@ static inline uint32_t fkey(float s, uint32_t nan_key) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* Bit i of the mask: key x[i] above c (gt), equal to c (eq), in the bucket pre under mask pm (in); 16 keys
+   at a time (AVX-512, AVX2, or plain C). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline uint32_t gt_mask16(const uint32_t *x, uint32_t c) {
+    return _mm512_cmpgt_epu32_mask(_mm512_loadu_si512((const void *)x), _mm512_set1_epi32((int)c));
+}
+static inline uint32_t eq_mask16(const uint32_t *x, uint32_t c) {
+    return _mm512_cmpeq_epu32_mask(_mm512_loadu_si512((const void *)x), _mm512_set1_epi32((int)c));
+}
+static inline uint32_t in_mask16(const uint32_t *x, uint32_t pm, uint32_t pre) {  /* (x & pm) == pre */
+    __m512i a = _mm512_and_si512(_mm512_loadu_si512((const void *)x), _mm512_set1_epi32((int)pm));
+    return _mm512_cmpeq_epu32_mask(a, _mm512_set1_epi32((int)pre));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline uint32_t gt_mask8(const uint32_t *x, uint32_t c) {  /* unsigned > as signed > of x ^ 2^31 */
+    const __m256i s = _mm256_set1_epi32((int)0x80000000u);
+    __m256i a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x), s);
+    __m256i b = _mm256_xor_si256(_mm256_set1_epi32((int)c), s);
+    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a, b)));
+}
+static inline uint32_t eq_mask8(const uint32_t *x, uint32_t c) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)x);
+    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, _mm256_set1_epi32((int)c))));
+}
+static inline uint32_t in_mask8(const uint32_t *x, uint32_t pm, uint32_t pre) {
+    __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)x), _mm256_set1_epi32((int)pm));
+    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, _mm256_set1_epi32((int)pre))));
+}
+static inline uint32_t gt_mask16(const uint32_t *x, uint32_t c) { return gt_mask8(x, c) | gt_mask8(x + 8, c) << 8; }
+static inline uint32_t in_mask16(const uint32_t *x, uint32_t pm, uint32_t pre) {
+    return in_mask8(x, pm, pre) | in_mask8(x + 8, pm, pre) << 8;
+}
+static inline uint32_t eq_mask16(const uint32_t *x, uint32_t c) { return eq_mask8(x, c) | eq_mask8(x + 8, c) << 8; }
+#else
+static inline uint32_t gt_mask16(const uint32_t *x, uint32_t c) {
+    uint32_t m = 0;
+    for (int i = 0; i < 16; i++) m |= (uint32_t)(x[i] > c) << i;
+    return m;
+}
+static inline uint32_t eq_mask16(const uint32_t *x, uint32_t c) {
+    uint32_t m = 0;
+    for (int i = 0; i < 16; i++) m |= (uint32_t)(x[i] == c) << i;
+    return m;
+}
+static inline uint32_t in_mask16(const uint32_t *x, uint32_t pm, uint32_t pre) {
+    uint32_t m = 0;
+    for (int i = 0; i < 16; i++) m |= (uint32_t)((x[i] & pm) == pre) << i;
+    return m;
+}
+#endif
+
 /* The cut of the k largest of key[0, n) (1 <= k < n) by a radix select on 11/11/10 bits: every key
    above *cut is taken, and the first *eq keys equal to it (in position order: ties to the lower
-   position). The first pass counts all n keys (an L1-sized histogram); the next ones only the keys of
-   the bucket that holds the cut, copied to sub (n). */
-static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, uint32_t *cut, int64_t *eq) {
+   position). The first pass counts all n keys (an L1-sized histogram; `h0` may hold that count already,
+   made while the keys were written); the next ones only the keys of the bucket that holds the cut,
+   copied to sub (n). */
+static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, const uint32_t *h0,
+                    uint32_t *cut, int64_t *eq) {
     static const int shift[3] = {21, 10, 0};
     static const uint32_t width[3] = {2048, 2048, 1024};
     uint32_t hist[2048], prefix = 0, pmask = 0;
     const uint32_t *x = key;
     int64_t need = k, m = n;
     for (int lv = 0; lv < 3; lv++) {
-        memset(hist, 0, sizeof hist);
         uint32_t bm = width[lv] - 1;
-        for (int64_t t = 0; t < m; t++) hist[(x[t] >> shift[lv]) & bm]++;
+        if (lv == 0 && h0) {
+            memcpy(hist, h0, sizeof hist);
+        } else {
+            memset(hist, 0, sizeof hist);
+            for (int64_t t = 0; t < m; t++) hist[(x[t] >> shift[lv]) & bm]++;
+        }
         int64_t b = (int64_t)width[lv] - 1, above = 0;
         while (above + hist[b] < need) above += hist[b--];
         need -= above;
         prefix |= (uint32_t)b << shift[lv];
         pmask |= bm << shift[lv];
         if ((int64_t)hist[b] == need) { *cut = prefix; *eq = INT64_MAX; return; } /* the whole bucket */
-        int64_t j = 0;
-        for (int64_t t = 0; t < m; t++) { sub[j] = x[t]; j += (x[t] & pmask) == prefix; }
+        int64_t j = 0, t = 0;
+        for (; t + 16 <= m; t += 16)  /* in place when x is sub: j <= t */
+            for (uint32_t e = in_mask16(x + t, pmask, prefix); e; e &= e - 1) sub[j++] = x[t + __builtin_ctz(e)];
+        for (; t < m; t++) { sub[j] = x[t]; j += (x[t] & pmask) == prefix; }
         x = sub;
         m = j;
     }
@@ -878,8 +939,10 @@ static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, ui
 }
 
 /* Writes at o the positions first + t of the k largest keys of key[0, n) (ties to the lower t) in
-   position order, all n when k >= n; returns how many. sub: n scratch. */
-static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, int64_t *o, int64_t first) {
+   position order, all n when k >= n; returns how many. sub: n scratch; h0: key[0, n)'s histogram of
+   the top 11 bits, or NULL. The pass that lists them has no data-dependent branch but its end. */
+static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, const uint32_t *h0, int64_t *o,
+                        int64_t first) {
     int64_t j = 0;
     if (k >= n) {
         for (int64_t t = 0; t < n; t++) o[j++] = first + t;
@@ -888,10 +951,27 @@ static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub
     if (k <= 0) return 0;
     uint32_t cut;
     int64_t eq;
-    top_cut(key, n, k, sub, &cut, &eq);
-    /* a cut that is the bucket's low end takes every key >= it; an exact one the first eq equal */
-    for (int64_t t = 0; t < n; t++)
-        if (key[t] > cut || (key[t] == cut && eq-- > 0)) o[j++] = first + t;
+    top_cut(key, n, k, sub, h0, &cut, &eq);
+    /* a cut that is the bucket's low end takes every key >= it; an exact one the first eq equal. Sixteen
+       keys at a time: a mask of those taken, then one store per taken key (about k, not n). */
+    int64_t t = 0;
+    for (; t + 16 <= n && j < k; t += 16) {
+        uint32_t m = gt_mask16(key + t, cut);
+        if (eq > 0) {
+            uint32_t e = eq_mask16(key + t, cut);
+            while (e && __builtin_popcount(e) > eq) e &= ~(0x80000000u >> __builtin_clz(e));  /* the first eq */
+            eq -= __builtin_popcount(e);
+            m |= e;
+        }
+        while (m) {
+            o[j++] = first + t + __builtin_ctz(m);
+            m &= m - 1;
+        }
+    }
+    for (; t < n && j < k; t++) {
+        uint32_t x = key[t];
+        if (x > cut || (x == cut && eq-- > 0)) o[j++] = first + t;
+    }
     return j;
 }
 
@@ -911,7 +991,7 @@ int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
                 for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
                 key[i] = fkey(s, 0xFFFFFFFFu);
             }
-            take_top(key, D, n, key + D, out + b * os_b + h * os_h, 0);
+            take_top(key, D, n, key + D, NULL, out + b * os_b + h * os_h, 0);
         }
     free(key);
     return 0;
@@ -921,28 +1001,46 @@ int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
    [f, f + n_s), then the top k of the candidates [f + n_s, mid_end) by sum_j qs_j * kT[ch_j, t] (qs: the
    query group's sum; NaN as -inf; ties to the lower position) in position order (all candidates when they
    are at most k), then [mid_end, mid_end + n_r), then -1 up to `width` (a row with fewer candidates than
-   the batch's widest). sc (n) and key (2 n) are scratch. Returns -2 for a channel outside [0, D), -3 for a
-   first position past the candidates. */
+   the batch's widest). key (2 n) is scratch. The scores are made TILE candidates at a time (the C channel
+   rows read side by side, the tile's sums in L1), turned into keys and counted for the first level of the
+   radix select in the same pass. Returns -2 for a channel outside [0, D), -3 for a first position past
+   the candidates. */
+#define TILE 512
 static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t ts_d, const int64_t *cb,
-                       int64_t *o, float *sc, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
+                       int64_t *o, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
                        int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t width) {
     int64_t lo = f + n_s, n = mid_end - lo, j = 0;
     if (f < 0 || n < 0) return -3;
     for (int64_t t = 0; t < n_s; t++) o[j++] = f + t;
+    uint32_t h0[2048];
     if (n > k && k > 0) {
         for (int64_t c = 0; c < C; c++)
             if (cb[c] < 0 || cb[c] >= D) return -2;
-        for (int64_t t = 0; t < n; t++) sc[t] = 0.f;
-        for (int64_t c = 0; c < C; c++) {
-            float w = 0.f;
-            for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
-            const float *row = kt + cb[c] * ts_d + lo;
-            for (int64_t t = 0; t < n; t++) sc[t] += w * row[t];
+        memset(h0, 0, sizeof h0);
+        const uint32_t neg = fkey(-INFINITY, 0);
+        float sc[TILE];
+        for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+            const int64_t m = n - t0 < TILE ? n - t0 : TILE;
+            for (int64_t t = 0; t < m; t++) sc[t] = 0.f;
+            for (int64_t c = 0; c < C; c++) {  /* the same sum, in the same order, as one channel at a time */
+                float w = 0.f;
+                for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
+                const float *row = kt + cb[c] * ts_d + lo + t0;
+                for (int64_t t = 0; t < m; t++) sc[t] += w * row[t];
+            }
+            uint32_t *kk = key + t0;
+            for (int64_t t = 0; t < m; t++) {  /* fkey without branches: NaN as -inf, -0 as +0 */
+                float x = sc[t];
+                uint32_t u;
+                memcpy(&u, &x, sizeof u);
+                u = x == 0.f ? 0u : u;
+                uint32_t v = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+                kk[t] = x != x ? neg : v;
+            }
+            for (int64_t t = 0; t < m; t++) h0[kk[t] >> 21]++;
         }
-        uint32_t neg = fkey(-INFINITY, 0);
-        for (int64_t t = 0; t < n; t++) key[t] = fkey(sc[t], neg);
     }
-    j += take_top(key, n, k, key + n, o + j, lo);  /* every candidate when they are at most k */
+    j += take_top(key, n, k, key + n, h0, o + j, lo);  /* every candidate when they are at most k */
     for (int64_t t = 0; t < n_r; t++) o[j++] = mid_end + t;
     while (j < width) o[j++] = -1;
     return 0;
@@ -960,17 +1058,15 @@ static void *run_select(void *arg) {
     select_job *j = (select_job *)arg;
     int64_t n = j->mid_end - j->n_s;
     size_t m = (size_t)(n > 0 ? n : 1);
-    float *sc = (float *)malloc(sizeof(float) * m);
     uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * 2 * m);
-    j->rc = (sc && key) ? 0 : -1;
+    j->rc = key ? 0 : -1;
     for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
         int64_t b = p / j->H, h = p % j->H;
         j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->kT + b * j->ts_b + h * j->ts_h,
                             j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
-                            sc, key, j->G, j->C, j->D, j->first ? j->first[b] : 0, j->n_s, j->mid_end, j->k,
+                            key, j->G, j->C, j->D, j->first ? j->first[b] : 0, j->n_s, j->mid_end, j->k,
                             j->n_r, j->width);
     }
-    free(sc);
     free(key);
     return 0;
 }
@@ -978,8 +1074,8 @@ static void *run_select(void *arg) {
 #define MAX_THREADS 64
 /* kT (B, H, D, S) channel-major, ch (B, H, C), first (B) or NULL: each row's first real position (a
    left-padded batch), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs split over up to `threads`
-   threads when each gets at least 16k candidates. Returns 0, -1 (no memory), -2 (a channel outside
-   [0, D)), -3 (a first position past mid_end - n_s). */
+   threads when each gets at least 4k candidates (16k where each call starts its own threads). Returns 0,
+   -1 (no memory), -2 (a channel outside [0, D)), -3 (a first position past mid_end - n_s). */
 int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                          const float *kT, int64_t ts_b, int64_t ts_h, int64_t ts_d,
                          const int64_t *ch, int64_t cs_b, int64_t cs_h, const int64_t *first,
@@ -989,7 +1085,11 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     int64_t pairs = B * H, n = mid_end - n_s;
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
+#ifdef _OPENMP
+    if (n <= k || pairs * n < 4096 * t) t = 1;  /* torch's warm pool: a parallel region costs microseconds */
+#else
     if (n <= k || pairs * n < 16384 * t) t = 1;  /* starting a thread costs more than it saves */
+#endif
     int64_t width = n_s + (n < k ? (n > 0 ? n : 0) : k) + n_r;
     select_job jobs[MAX_THREADS];
     for (int64_t i = 0; i < t; i++) {

@@ -1,16 +1,47 @@
 """The ``kvpass::`` custom ops (torch.library): schema, fake implementation, device dispatch.
 
-Registered when this module is first imported, which :func:`kvpass.kvpass` does lazily."""
+Registered when this module is first imported, which :func:`kvpass.kvpass` does lazily.
+
+The ops are defined on a ``torch.library.Library`` with one CompositeExplicitAutograd kernel each (the
+Python function, for every device), not with ``torch.library.custom_op``: a decode step calls 3-5 of
+them at each of the 30 sites of a small model, and custom_op adds Python dispatch to every call (its
+autograd wrapper and aliasing check) that costs about twice the Library op's whole call on this
+project's CPUs (vLLM's ``direct_register_custom_op`` registers its ops this way for the same reason).
+The ops are for inference: none has a derivative."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from kvpass.runtime import registry
 
+_LIB = torch.library.Library("kvpass", "DEF")  # the ops live as long as this module
+IMPLS: dict[str, Callable] = {}  # "kvpass::name" -> the Python function (what bench.syncs runs under its log)
 
-@torch.library.custom_op("kvpass::attention", mutates_args=())
+
+def _op(fn: Callable) -> Callable:
+    """Define ``kvpass::<fn.__name__>`` from ``fn``'s annotations (it mutates none of its arguments)."""
+    name = fn.__name__
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    IMPLS["kvpass::" + name] = fn
+    return fn
+
+
+def _fake(name: str) -> Callable:
+    """Register the decorated function as ``kvpass::<name>``'s fake (meta) implementation."""
+
+    def register(fn: Callable) -> Callable:
+        _LIB._register_fake(name, fn)
+        return fn
+
+    return register
+
+
+@_op
 def attention(
     q: Tensor,
     k: Tensor,
@@ -34,13 +65,13 @@ def attention(
     return out.contiguous()
 
 
-@attention.register_fake
+@_fake("attention")
 def _attention_fake(q, k, v, attn_mask, cache_position, scale, is_causal, handle, site):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@torch.library.custom_op("kvpass::attention_owned", mutates_args=())
+@_op
 def attention_owned(
     q: Tensor,
     k_new: Tensor,
@@ -67,13 +98,13 @@ def attention_owned(
     return out.contiguous()
 
 
-@attention_owned.register_fake
+@_fake("attention_owned")
 def _attention_owned_fake(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal, handle, site,
                           fetched=None):
     return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
 
 
-@torch.library.custom_op("kvpass::fetch", mutates_args=())
+@_op
 def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int, after: Tensor | None = None) -> Tensor:
     """Bring what this decode step will attend from the host tier to the device tier.
 
@@ -87,12 +118,12 @@ def fetch(q: Tensor, past_k: Tensor | None, handle: int, site: int, after: Tenso
     return registry.lookup(handle).fetch(site, q, past_k)
 
 
-@fetch.register_fake
+@_fake("fetch")
 def _fetch_fake(q, past_k, handle, site, after=None):
     return q.new_empty((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("kvpass::prefetch", mutates_args=())
+@_op
 def prefetch(q_hat: Tensor, past_k: Tensor | None, handle: int, site: int, estimated: bool) -> Tensor:
     """Prefetch what a site's next decode step will score with, from an estimate of its query.
 
@@ -105,12 +136,12 @@ def prefetch(q_hat: Tensor, past_k: Tensor | None, handle: int, site: int, estim
     return registry.lookup(handle).prefetch(site, q_hat, past_k, estimated)
 
 
-@prefetch.register_fake
+@_fake("prefetch")
 def _prefetch_fake(q_hat, past_k, handle, site, estimated):
     return q_hat.new_empty((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("kvpass::cache_stub", mutates_args=())
+@_op
 def cache_stub(new: Tensor, past: Tensor | None, handle: int = 0, site: int = -1) -> Tensor:
     """What the model's cache keeps for a runtime-owned site: (B, H, L, D) with sequence stride 0,
     L = past length + new length, so the model sees the true length while holding no tokens.
@@ -126,7 +157,7 @@ def cache_stub(new: Tensor, past: Tensor | None, handle: int = 0, site: int = -1
     return make_stub(new, length)
 
 
-@cache_stub.register_fake
+@_fake("cache_stub")
 def _cache_stub_fake(new, past, handle=0, site=-1):
     b, h, t, d = new.shape
     length = t + (past.shape[2] if past is not None else 0)

@@ -199,7 +199,8 @@ class RowSplit:
         out = dict(base)
         for key in ("tokens_held", "tokens_attended"):
             out[key] = round(sum(r[key] for r in rows) / n)
-        for key in ("device_bytes", "host_bytes", "bytes_moved", "overhead_prefill_s", "overhead_decode_s"):
+        for key in ("device_bytes", "host_bytes", "selection_bytes", "bytes_moved", "overhead_prefill_s",
+                    "overhead_decode_s"):
             out[key] = sum(r[key] for r in rows)
         out["device_bytes_per_row"] = max(r["device_bytes"] for r in rows)
         out["rows"] = [{"first": f, "tokens": r["tokens_logical"], "tokens_held": r["tokens_held"],

@@ -571,6 +571,11 @@ class SiteState:
     def metadata_bytes(self) -> int:
         return 0
 
+    def selection_bytes(self) -> int:
+        """Bytes the last decode step's selection read besides the device metadata and the attended KV
+        (the whole batch): a host tier's keys scored in place (TailorKV's key channels)."""
+        return 0
+
     def host_bytes(self) -> int:
         """Bytes this site keeps in the host tier (policies that offload)."""
         return 0
@@ -617,6 +622,7 @@ class SiteState:
             "tokens_attended": self.tokens_attended(),
             "device_bytes": self.kv_bytes + self.metadata_bytes(),
             "host_bytes": self.host_bytes(),
+            "selection_bytes": self.selection_bytes(),
             "bytes_moved": self.bytes_moved,
             "steps": self.steps,
             "overhead_prefill_s": self.overhead_prefill_s,

@@ -185,7 +185,7 @@ class TailorState(SiteState):
         self.in_c = False  # CPU: the C kernels read the host tier in place (module docstring)
         self.n_s = 0  # sinks held (fixed when the sequence is loaded)
         self.listed: torch.Tensor | None = None  # in_c: (B, H_kv, N) positions this step attends
-        self.channel_bytes = 0  # in_c: the critical channels a GPU's prefetch would copy this step
+        self.channel_bytes = 0  # the critical channels of the candidates read (or copied) this step
         # a left-padded batch served in place: (B,) int64 each row's first real position, and their sum
         self.first: torch.Tensor | None = None
         self.first_sum = 0
@@ -370,7 +370,7 @@ class TailorState(SiteState):
         else:
             buf.copy_(channels)
         self.k_ch = buf.transpose(2, 3)  # (B, H_kv, n, c), as partial_topk takes it
-        moved = buf.numel() * buf.element_size()
+        moved = self.channel_bytes = buf.numel() * buf.element_size()
         self.bytes_moved += moved
         self.prefetched += moved
 
@@ -707,6 +707,9 @@ class TailorState(SiteState):
         if self.tier != SPARSE:
             return 0
         return self.store.nbytes() + (self.kT.numel() * self.kT.element_size() if self.kT is not None else 0)
+
+    def selection_bytes(self) -> int:
+        return self.channel_bytes if self.tier == SPARSE else 0
 
     def metadata_bytes(self) -> int:
         if self.tier != SPARSE:
