@@ -333,8 +333,8 @@ class KVPassBackend:
         rows = self.report_rows()
         head = f"kvpass report: policy {self.policy.describe()}, {len(self.graphs)} graph(s) compiled"
         if skinny := [r for r in self.graphs if r.linears]:
-            head += (f"; {sum(r.linears for r in skinny)} linear(s) weight-major in {len(skinny)} batched decode "
-                     "graph(s) (skinny_linear)")
+            head += (f"; {sum(r.linears for r in skinny)} linear(s) rewritten in {len(skinny)} decode graph(s) "
+                     "(skinny_linear: weight-major for 2-16 rows, a reduction for one)")
         if self.eager_forwards:
             head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran none of kvpass's "
                      "graphs (dynamo ran them eagerly, or generate() ran the module torch.compile(model) "
@@ -428,10 +428,12 @@ def kvpass(policy: Policy, **options: Any) -> KVPassBackend:
     - ``own_cache`` (bool, default True): for caches that grow by concatenation (DynamicCache), the
       runtime keeps the keys and values in its own buffers, appended in place, and the model's cache
       holds a zero-stride stub of the right length. False leaves the model's cache as it is.
-    - ``skinny_linear`` (bool, default True): in decode graphs of a batch of 2-16 sequences (or a
-      symbolic batch) on CPU in fp32, compute each linear layer weight-major, ``(W @ x^T)^T``, which
-      MKL runs faster than ``x @ W^T`` there (SmolLM2's batch-4 step: 1.76x with 2 threads;
-      kvpass/lowering/linear.py). Equal within fp32 rounding; False keeps Inductor's ``x @ W^T``.
+    - ``skinny_linear`` (bool, default True): in decode graphs on CPU in fp32, compute each linear
+      layer of a batch of 2-16 sequences (or a symbolic batch) weight-major, ``(W @ x^T)^T``, which MKL
+      runs faster than ``x @ W^T`` there (SmolLM2's batch-4 step: 1.76x with 2 threads), and of a
+      single sequence as ``sum(W * x, 1)``, which Inductor makes one reduction reading each weight row
+      once (docs/design.md, "One-row decode linears"; kvpass/lowering/linear.py). Equal within fp32
+      rounding; False keeps Inductor's ``x @ W^T``.
 
     Each option must be a real ``bool`` (``bool("no")`` is True, so nothing is coerced); a wrong type
     or an unknown option is a TypeError naming it and what to pass.

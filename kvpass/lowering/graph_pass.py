@@ -35,7 +35,7 @@ class GraphRecord:
     kind: str  # "prefill", "decode" or "other", from the query lengths
     sites: list[dict]
     unmatched: list[Unmatched]
-    linears: int = 0  # linear layers computed weight-major (kvpass/lowering/linear.py)
+    linears: int = 0  # decode linears rewritten: weight-major, or a reduction for one row (lowering/linear.py)
 
 
 def _fake_value(target, args):
