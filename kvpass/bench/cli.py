@@ -114,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
     g.add_argument("--no-skinny-linear", dest="skinny_linear", action="store_false",
-                   help="compile with kvpass(..., skinny_linear=False): batched decode linears as x @ W^T, to "
-                        "measure what the weight-major form buys (give it its own --out)")
+                   help="compile with kvpass(..., skinny_linear=False): decode linears as x @ W^T, to measure "
+                        "what the weight-major and one-row forms buy (give it its own --out)")
     t = p.add_argument_group("throughput", "kvpass bench --throughput: tokens/s and bytes per row of left-padded "
                                            "batches of mixed lengths, each policy against Full in the same run "
                                            "(kvpass.bench.throughput); --batches (default 1,4,8,16), --policies, "
