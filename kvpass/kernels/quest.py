@@ -333,8 +333,8 @@ typedef struct { float s; int64_t p; } cand_t;
 /* a before b in the ranking: higher score, then the lower page */
 static inline int better(cand_t a, cand_t b) { return a.s > b.s || (a.s == b.s && a.p < b.p); }
 
-/* heap of the n best so far, the worst at the root (inlined: called out of line, the page loop ran 1.4x
-   slower) */
+/* heap of the n best so far, the worst at the root (inlined: called out of line, the page loop ran slower
+   than the one-function code it replaced) */
 static inline __attribute__((always_inline)) void sift(cand_t *h, int64_t n, int64_t i) {
     for (;;) {
         int64_t l = 2 * i + 1, r = l + 1, w = i;

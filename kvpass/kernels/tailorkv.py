@@ -839,13 +839,15 @@ _CPU_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 """ + VECTOR16 + r"""
-/* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. */
+/* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. No
+   branches, so that a loop of them vectorises: a negative float's bits are flipped, a positive one's sign
+   bit set. */
 static inline uint32_t fkey(float s, uint32_t nan_key) {
-    if (s != s) return nan_key;
-    if (s == 0.f) s = 0.f;
     uint32_t u;
     memcpy(&u, &s, sizeof u);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    u = s == 0.f ? 0u : u;
+    u ^= (uint32_t)((int32_t)u >> 31) | 0x80000000u;
+    return s != s ? nan_key : u;
 }
 
 /* Bit i of the mask: key x[i] above c (gt), equal to c (eq), in the bucket pre under mask pm (in); 16 keys
@@ -1029,14 +1031,7 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
                 for (int64_t t = 0; t < m; t++) sc[t] += w * row[t];
             }
             uint32_t *kk = key + t0;
-            for (int64_t t = 0; t < m; t++) {  /* fkey without branches: NaN as -inf, -0 as +0 */
-                float x = sc[t];
-                uint32_t u;
-                memcpy(&u, &x, sizeof u);
-                u = x == 0.f ? 0u : u;
-                uint32_t v = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
-                kk[t] = x != x ? neg : v;
-            }
+            for (int64_t t = 0; t < m; t++) kk[t] = fkey(sc[t], neg);  /* NaN as -inf */
             for (int64_t t = 0; t < m; t++) h0[kk[t] >> 21]++;
         }
     }
