@@ -178,3 +178,14 @@ def test_bench_calibrates_tailorkv_once_and_reports_its_layers(smollm2, tmp_path
     assert main(argv) == 0
     assert (out / "tailorkv_profile.json").stat().st_mtime_ns == stamp
     assert len(load_results(out / RESULTS)) == len(rows)
+
+
+def test_policy_label_names_what_sets_a_policy_apart():
+    """Rows of one table must not share a label: TailorKV's profile shows, the budget does not."""
+    from kvpass import ClusterKV, TailorKV
+    from kvpass.bench.runner import policy_label
+
+    assert policy_label(TailorKV()) == "TailorKV"
+    assert policy_label(TailorKV(profile="auto")) == "TailorKV profile=auto"
+    assert policy_label(TailorKV(profile="auto", group_size=16)) == "TailorKV profile=auto group_size=16"
+    assert policy_label(ClusterKV(budget=512, kmeans_iters=4)) == "ClusterKV kmeans_iters=4"

@@ -355,6 +355,41 @@ def test_select_rows_cpu_matches_each_row_alone(b, h_kv, g, d, page, length, bud
                 assert torch.equal(bound[got_p].sort().values, bound[want_p].sort().values)
 
 
+@given(
+    b=st.integers(1, 3), h_kv=st.integers(1, 2), d=st.sampled_from([4, 16]), page=st.sampled_from([1, 2, 4]),
+    length=st.integers(1, 48), budget=st.integers(2, 24), padded=st.booleans(), strided=st.booleans(),
+    seed=SEEDS,
+)
+def test_select_cpu_merges_the_steps_key_as_torch_does(b, h_kv, d, page, length, budget, padded, strided, seed):
+    """``k_new``: the step's key merged into each row's newest page inside the C call leaves the same
+    metadata as :func:`quest_fold_key_` in torch, bit for bit, and the same choice as merging first;
+    a key the C call cannot read (strided last dim) is merged in torch first."""
+    from kvpass.kernels.quest import quest_fold_key_, quest_select_cpu
+
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, length, (b,), generator=gen) if padded else None
+    pmax = -(-length // page)
+    q, meta = _top_inputs(b, h_kv, 3, d, pmax + 1, False, seed)
+    meta[:, :, pmax - 1 :, :d] = float("-inf")  # the newest page may be unopened (a page boundary)
+    meta[:, :, pmax - 1 :, d:] = float("inf")
+    keys = torch.randn(b, h_kv, d, 2, generator=gen)
+    k_new = keys[..., 0] if strided else keys[..., 0].contiguous()
+    n = max(budget // page - 1, 0)
+    width = max(n, -(-budget // page) - 1)
+    want_meta = meta.clone()
+    quest_fold_key_(want_meta, k_new, first, length, page)
+    want = quest_select_cpu(q, want_meta.clone(), first, length, page, budget, n, width)
+    got = quest_select_cpu(q, meta, first, length, page, budget, n, width, k_new=k_new)
+    assert torch.equal(meta, want_meta)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the merge is the page's max and min with the key: the row's newest page holds the key's bounds
+    for bi in range(b):
+        f = 0 if first is None else int(first[bi])
+        p = (length - 1 - f) // page
+        assert torch.equal(meta[bi, :, p, :d], torch.maximum(want_meta[bi, :, p, :d], k_new[bi]))
+        assert (meta[bi, :, p, :d] >= k_new[bi]).all() and (meta[bi, :, p, d:] <= k_new[bi]).all()
+
+
 def test_select_rows_cpu_errors():
     from kvpass.kernels.quest import quest_select_cpu
 

@@ -681,11 +681,12 @@ def naive_step_list(q, kT, ch, n_s, mid_end, k, n_r, first=None):
 
 @given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=st.sampled_from([4, 16]),
        S=st.integers(0, 90), n_s=st.integers(0, 6), n_r=st.integers(0, 6), k=st.integers(0, 40),
-       c=st.integers(1, 4), nan=st.booleans(), padded=st.booleans(), seed=SEEDS)
-def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, nan, padded, seed):
+       c=st.integers(1, 4), nan=st.booleans(), padded=st.booleans(), bf16=st.booleans(), seed=SEEDS)
+def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, nan, padded, bf16, seed):
     """Integer queries and keys: exact scores with many ties; every range may be empty, k may cover every
     candidate or be 0, the channels may repeat, and a NaN key scores -inf (ranked with the lowest). A
-    padded batch: each row's own first position (0 up to all its candidates), -1 after a short row."""
+    padded batch: each row's own first position (0 up to all its candidates), -1 after a short row. The
+    channel-major keys in fp32 or in bf16 (the runtime's copy of fp32 keys)."""
     gen = torch.Generator().manual_seed(seed)
     n_s, n_r = min(n_s, S), min(n_r, max(S - n_s, 0))
     mid_end = S - n_r
@@ -696,18 +697,21 @@ def test_tailor_select_cpu_matches_naive_loop(B, H_kv, G, D, S, n_s, n_r, k, c, 
     if nan and mid_end > n_s:
         kT[0, 0, ch[0, 0, 0], n_s] = float("nan")
     first = torch.randint(0, max(mid_end - n_s, 0) + 1, (B,), generator=gen) if padded else None
+    if bf16:
+        kT = kT.bfloat16()
     got = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r, first)
     assert torch.equal(got, naive_step_list(q, kT, ch, n_s, mid_end, k, n_r, first))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_tailor_select_cpu_matches_naive_loop_past_a_tile(padded):
+def test_tailor_select_cpu_matches_naive_loop_past_a_tile(padded, dtype):
     """Candidates over several of the C kernel's tiles (512) and 16-key blocks, integer scores (ties at the
     cut span blocks), pairs enough to split over threads: the naive loop's list."""
     gen = torch.Generator().manual_seed(7)
     B, H, G, D, S, n_s, n_r, k = 2, 3, 2, 8, 1500, 5, 7, 411
     q = torch.randint(-2, 3, (B, H * G, D), generator=gen).float()
-    kT = torch.randint(-2, 3, (B, H, D, S), generator=gen).float()
+    kT = torch.randint(-2, 3, (B, H, D, S), generator=gen).to(dtype)
     ch = torch.randint(0, D, (B, H, 2), generator=gen)
     first = torch.tensor([0, 333]) if padded else None
     want = naive_step_list(q, kT, ch, n_s, S - n_r, k, n_r, first)
@@ -733,6 +737,18 @@ def test_tailor_select_cpu_equals_partial_topk_on_random_keys():
     assert torch.equal(got[..., 16 : 16 + k], (idx + 16).sort(-1).values)
     assert torch.equal(got[..., :16], torch.arange(16).expand(B, H, 16))
     assert torch.equal(got[..., 16 + k :], torch.arange(S - 100, S).expand(B, H, 100))
+
+
+def test_tailor_select_cpu_reads_bf16_keys_as_their_fp32_values():
+    """Gaussian keys held in bf16: the C list equals the one from the same keys widened to fp32 (the
+    kernel reads the bf16 bits as fp32 values, no other rounding), and the strides are in elements."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, G, D, S, k = 2, 3, 3, 64, 2000, 300
+    q = torch.randn(B, H * G, D, generator=gen)
+    kT = torch.randn(B, H, D, S + 40, generator=gen).bfloat16()[..., :S]  # a capacity past S: strided rows
+    ch = critical_channels(q, kT.float().abs().amax(3), 8)
+    want = tailor_select_cpu(q, kT.float(), ch, 16, S - 50, k, 50)
+    assert torch.equal(tailor_select_cpu(q, kT, ch, 16, S - 50, k, 50), want)
 
 
 def test_tailor_cpu_refusals():

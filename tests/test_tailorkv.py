@@ -140,7 +140,9 @@ def _sparse_oracle(q_hat, q, k_past, policy):
                 s = [sum(abs(float(q_hat[b, h * g + j, i])) for j in range(g)) * kabs[i] for i in range(d)]
                 ch = sorted(sorted(range(d), key=lambda i: (-s[i], i))[:c])
                 qs = [sum(float(q[b, h * g + j, i]) for j in range(g)) for i in range(d)]
-                approx = {t: sum(qs[i] * float(k_past[b, h, t, i]) for i in ch) for t in mid}
+                # the candidates are scored on the host tier's channel-major copy: bf16 for fp32 keys
+                kc = k_past.bfloat16().float() if k_past.dtype == torch.float32 else k_past
+                approx = {t: sum(qs[i] * float(kc[b, h, t, i]) for i in ch) for t in mid}
                 chosen |= set(sorted(mid, key=lambda t: (-approx[t], t))[: policy.topk])
             sets[(b, h)] = chosen
     return sets
@@ -209,9 +211,10 @@ def test_sparse_layers_report_the_same_bytes_on_both_cpu_paths(monkeypatch):
         st_ = rt.state(0)
         assert st_.in_c == (path == "c")
         got.append((st_.kv_bytes, st_.bytes_moved, st_.prefetched, st_.host_bytes(), st_.selection_bytes()))
-        # the last step scored every candidate (all but the static tokens) on 3 key channels, fp32
+        # the last step scored every candidate (all but the static tokens) on 3 key channels, held in bf16
         b, h = st_.kT.shape[:2]
-        assert st_.selection_bytes() == b * h * 3 * (st_.logical - policy.static_tokens) * 4
+        assert st_.kT.dtype == torch.bfloat16
+        assert st_.selection_bytes() == b * h * 3 * (st_.logical - policy.static_tokens) * 2
         assert rt.state(0).row()["selection_bytes"] == st_.selection_bytes()
     assert got[0] == got[1]
 

@@ -430,8 +430,9 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
       ``N - 128`` fetched: :func:`~kvpass.kernels.tailorkv.critical_channels_cpu` +
       :func:`~kvpass.kernels.tailorkv.tailor_select_cpu` against the torch path (the channels, their rows
-      copied from the channel-major keys, :func:`~kvpass.kernels.tailorkv.partial_topk_ref`, the list);
-      bytes: the channel rows read and the list written.
+      copied from the channel-major keys, :func:`~kvpass.kernels.tailorkv.partial_topk_ref`, the list),
+      the keys channel-major in bf16 as the runtime holds them; bytes: the channel rows read and the list
+      written.
 
     Raises RuntimeError where the C kernels are not built."""
     from kvpass.kernels import clusterkv, cpu_decode, quest, tailorkv
@@ -509,7 +510,8 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
 
             # TailorKV's sparse layer: channels from the estimate, the top-k from the true query, the list
             q, k, _, _ = _sparse_inputs(s, "cpu", torch.float32, seed=3)
-            kT, kabs, n_ch, sinks, recent = k.transpose(2, 3).contiguous(), k.abs().amax(2), 8, 16, 112
+            # the channel-major copy as the runtime holds it for fp32 keys: bf16
+            kT, kabs, n_ch, sinks, recent = k.transpose(2, 3).bfloat16().contiguous(), k.abs().amax(2), 8, 16, 112
             mid_end, top = s.S - recent, s.N - 128
             c = lambda: tailorkv.tailor_select_cpu(  # noqa: E731
                 q, kT, tailorkv.critical_channels_cpu(q, kabs, n_ch), sinks, mid_end, top, recent)
@@ -525,7 +527,7 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
 
             assert torch.equal(c()[..., sinks : sinks + top], t()[..., sinks : sinks + top].sort(-1).values)
             add("tailor_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
-                BH * (n_ch * (mid_end - sinks) * 4 + 8 * s.N), {"N": s.N - 128 + sinks + recent})
+                BH * (n_ch * (mid_end - sinks) * kT.element_size() + 8 * s.N), {"N": s.N - 128 + sinks + recent})
             del q, k, kT, kabs
     return rows
 

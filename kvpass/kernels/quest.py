@@ -403,10 +403,12 @@ static inline __attribute__((always_inline)) void quest_pair(
 
 /* The arguments of kvpass_quest_select, for its pairs [lo, hi) */
 typedef struct {
-    const float *q, *meta;
+    const float *q, *knew;
+    float *meta;
     const int64_t *first;
     int64_t *pages, *idx;
-    int64_t qs_b, qs_h, ms_b, ms_h, ms_p, fs_b, ps_b, ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n, W, gqa_max;
+    int64_t qs_b, qs_h, ks_b, ks_h, ms_b, ms_h, ms_p, fs_b, ps_b, ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n,
+        W, gqa_max;
 } quest_args;
 
 static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
@@ -423,6 +425,15 @@ static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
         int64_t k = nb <= a->budget ? P : (a->n < P ? a->n : P);
         if (k > a->W) k = a->W;
         if (k < 0) k = 0;
+        if (a->knew && P >= 0) {
+            /* the step's key (position L - 1) joins its page, the newest (P): a steady step's metadata update */
+            const float *kn = a->knew + b * a->ks_b + h * a->ks_h;
+            float *m = a->meta + b * a->ms_b + h * a->ms_h + P * a->ms_p;
+            for (int64_t d = 0; d < a->D; d++) {
+                if (kn[d] > m[d]) m[d] = kn[d];
+                if (kn[d] < m[a->D + d]) m[a->D + d] = kn[d];
+            }
+        }
         quest_pair(a->q + b * a->qs_b + h * a->G * a->qs_h, a->qs_h, a->meta + b * a->ms_b + h * a->ms_h, a->ms_p,
                    a->pages + b * a->ps_b + h * a->ps_h, a->ps_n, a->idx ? a->idx + b * a->is_b + h * a->is_h : NULL,
                    f, a->L, a->page, P, k, a->W, a->G, a->D, a->gqa_max, heap, qq, mark);
@@ -444,17 +455,20 @@ static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
    are [max | min] (2D fp32) in the row's own pages; gqa_max: the group's bound is the max of its
    queries' bounds, else their sum. The pairs split over up to `threads` threads of torch's OpenMP pool
    (kvpass.kernels.native) when each gets at least 64k floats of bounds to read; one thread without
-   OpenMP. Returns 0, or -1 when scratch cannot be had. */
+   OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) at position L - 1, merged into its
+   row's newest page first (max and min), so that a steady decode step updates the metadata here rather
+   than in ops of its own. Returns 0, or -1 when scratch cannot be had. */
 int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
-                        const float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
+                        const float *knew, int64_t ks_b, int64_t ks_h,
+                        float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
                         const int64_t *first, int64_t fs_b,
                         int64_t *pages, int64_t ps_b, int64_t ps_h, int64_t ps_n,
                         int64_t *idx, int64_t is_b, int64_t is_h,
                         int64_t B, int64_t H, int64_t G, int64_t D,
                         int64_t L, int64_t page, int64_t budget, int64_t n, int64_t W, int64_t gqa_max,
                         int64_t threads) {
-    const quest_args a = {q, meta, first, pages, idx, qs_b, qs_h, ms_b, ms_h, ms_p, fs_b, ps_b, ps_h, ps_n, is_b,
-                          is_h, H, G, D, L, page, budget, n, W, gqa_max};
+    const quest_args a = {q, knew, meta, first, pages, idx, qs_b, qs_h, ks_b, ks_h, ms_b, ms_h, ms_p, fs_b, ps_b,
+                          ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n, W, gqa_max};
     const int64_t pmax = (L + page - 1) / page, pairs = B * H;
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
@@ -472,7 +486,8 @@ int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
 """
 
 
-_TOP_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+_TOP_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+                 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                  + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                  + [ctypes.c_void_p] + [ctypes.c_int64] * 13)
 
@@ -521,7 +536,7 @@ def quest_top_pages_cpu(
     k = min(n, scored)
     out = torch.empty((B, H, k + 1), dtype=torch.int64)
     # one page_size-1 "cache" of scored + 1 pages, no budget: every row scores `scored` pages
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3], None, 0,
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), None, 0, 0, meta.data_ptr(), *meta.stride()[:3], None, 0,
             out.data_ptr(), *out.stride(), None, 0, 0, B, H, H_q // H, D, scored + 1, 1, -1, k, k,
             int(gqa == "max"), torch.get_num_threads())
     if rc != 0:
@@ -531,7 +546,7 @@ def quest_top_pages_cpu(
 
 def quest_select_cpu(
     q: torch.Tensor, meta: torch.Tensor, first: torch.Tensor | None, length: int, page_size: int,
-    budget: int, n: int, width: int, gqa: str = "sum",
+    budget: int, n: int, width: int, gqa: str = "sum", k_new: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A Quest decode step's choice for a batch whose rows may start late (left padding), in C.
 
@@ -545,12 +560,20 @@ def quest_select_cpu(
     Returns ``pages (B, H_kv, width + 1)``, each row's top pages ascending, then its newest, then -1,
     and ``idx (B, H_kv, (width + 1) * page_size)``, their token positions in the cache (-1 past
     ``length`` and for -1 pages): what the attention reads. Equals :func:`quest_select_ref` up to
-    the rounding of the bounds."""
+    the rounding of the bounds.
+
+    ``k_new (B, H_kv, D)``: the step's key (cache position ``length - 1``), merged into each row's newest
+    page first, as :func:`quest_fold_key_` does (a steady decode step's metadata update, in the same
+    call); fp32 with a contiguous last dim, else it is merged in torch before the call."""
     fn = _top_lib()
     pmax = -(-length // page_size)
     _check_select_args("quest_select_cpu", fn, q, meta, max(pmax - 1, 0), n, gqa)
     B, H_q, D = q.shape
     H = meta.shape[1]
+    if k_new is not None and not (k_new.dtype == torch.float32 and k_new.device.type == "cpu"
+                                  and k_new.shape == (B, H, D) and k_new.stride(2) == 1):
+        quest_fold_key_(meta, k_new, first, length, page_size)
+        k_new = None
     if first is not None:
         if not (first.dtype == torch.int64 and first.device.type == "cpu" and first.dim() == 1
                 and first.shape[0] in (1, B)):
@@ -559,13 +582,34 @@ def quest_select_cpu(
     pages = torch.empty((B, H, width + 1), dtype=torch.int64)
     idx = torch.empty((B, H, (width + 1) * page_size), dtype=torch.int64)
     fs = 0 if first is None or first.shape[0] == 1 else first.stride(0)
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), meta.data_ptr(), *meta.stride()[:3],
+    ks = (None, 0, 0) if k_new is None else (k_new.data_ptr(), k_new.stride(0), k_new.stride(1))
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), *ks, meta.data_ptr(), *meta.stride()[:3],
             None if first is None else first.data_ptr(), fs, pages.data_ptr(), *pages.stride(),
             idx.data_ptr(), *idx.stride()[:2], B, H, H_q // H, D, length, page_size, budget, n, width,
             int(gqa == "max"), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
     return pages, idx
+
+
+def quest_fold_key_(meta: torch.Tensor, k_new: torch.Tensor, first: torch.Tensor | None, length: int,
+                    page_size: int) -> None:
+    """Merge a decode step's key ``k_new (B, H_kv, D)`` (cache position ``length - 1``) into its row's
+    newest page of ``meta (B, H_kv, P_cap, 2D)`` = [max | min], in place: page ``(length - 1 - f_b) //
+    page_size`` of a row starting at ``f_b`` (``first (B,)`` or ``(1,)``, None: 0). Pages not yet opened
+    hold -inf | +inf, so every step runs the same ops wherever the page boundary falls."""
+    d = k_new.shape[-1]
+    k = k_new.to(meta.dtype)
+    if first is None:
+        page = meta[:, :, (length - 1) // page_size]
+        torch.maximum(page[..., :d], k, out=page[..., :d])
+        torch.minimum(page[..., d:], k, out=page[..., d:])
+        return
+    batch = k.shape[0]
+    rows = torch.arange(batch, device=meta.device)
+    p = (length - 1 - first.to(meta.device).expand(batch)) // page_size
+    page = meta[rows, :, p]  # (B, H_kv, 2D)
+    meta[rows, :, p] = torch.cat([torch.maximum(page[..., :d], k), torch.minimum(page[..., d:], k)], dim=-1)
 
 
 def _pages_to_idx(pages: torch.Tensor, first: torch.Tensor, length: int, page_size: int) -> torch.Tensor:

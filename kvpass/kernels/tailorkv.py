@@ -1008,8 +1008,8 @@ int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
    radix select in the same pass. Returns -2 for a channel outside [0, D), -3 for a first position past
    the candidates. */
 #define TILE 512
-static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t ts_d, const int64_t *cb,
-                       int64_t *o, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
+static int select_pair(const float *qg, int64_t qs_h, const void *kt, int64_t kt_bf16, int64_t ts_d,
+                       const int64_t *cb, int64_t *o, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
                        int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t width) {
     int64_t lo = f + n_s, n = mid_end - lo, j = 0;
     if (f < 0 || n < 0) return -3;
@@ -1027,8 +1027,18 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
             for (int64_t c = 0; c < C; c++) {  /* the same sum, in the same order, as one channel at a time */
                 float w = 0.f;
                 for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
-                const float *row = kt + cb[c] * ts_d + lo + t0;
-                for (int64_t t = 0; t < m; t++) sc[t] += w * row[t];
+                if (kt_bf16) {  /* bfloat16: the high half of the fp32 bits */
+                    const uint16_t *row = (const uint16_t *)kt + cb[c] * ts_d + lo + t0;
+                    for (int64_t t = 0; t < m; t++) {
+                        uint32_t u = (uint32_t)row[t] << 16;
+                        float x;
+                        memcpy(&x, &u, sizeof x);
+                        sc[t] += w * x;
+                    }
+                } else {
+                    const float *row = (const float *)kt + cb[c] * ts_d + lo + t0;
+                    for (int64_t t = 0; t < m; t++) sc[t] += w * row[t];
+                }
             }
             uint32_t *kk = key + t0;
             for (int64_t t = 0; t < m; t++) kk[t] = fkey(sc[t], neg);  /* NaN as -inf */
@@ -1042,10 +1052,11 @@ static int select_pair(const float *qg, int64_t qs_h, const float *kt, int64_t t
 }
 
 typedef struct {
-    const float *q, *kT;
+    const float *q;
+    const void *kT;
     const int64_t *ch, *first;
     int64_t *out;
-    int64_t qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, width, lo, hi;
+    int64_t kt_bf16, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, width, lo, hi;
     int rc;
 } select_job;
 
@@ -1057,8 +1068,10 @@ static void *run_select(void *arg) {
     j->rc = key ? 0 : -1;
     for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
         int64_t b = p / j->H, h = p % j->H;
-        j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->kT + b * j->ts_b + h * j->ts_h,
-                            j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
+        const int64_t off = b * j->ts_b + h * j->ts_h;
+        const void *kt = j->kt_bf16 ? (const void *)((const uint16_t *)j->kT + off)
+                                    : (const void *)((const float *)j->kT + off);
+        j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, kt, j->kt_bf16, j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
                             key, j->G, j->C, j->D, j->first ? j->first[b] : 0, j->n_s, j->mid_end, j->k,
                             j->n_r, j->width);
     }
@@ -1067,12 +1080,12 @@ static void *run_select(void *arg) {
 }
 
 #define MAX_THREADS 64
-/* kT (B, H, D, S) channel-major, ch (B, H, C), first (B) or NULL: each row's first real position (a
+/* kT (B, H, D, S) channel-major, fp32, or bfloat16 with kt_bf16 (strides in elements), ch (B, H, C), first (B) or NULL: each row's first real position (a
    left-padded batch), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs split over up to `threads`
    threads when each gets at least 4k candidates (16k where each call starts its own threads). Returns 0,
    -1 (no memory), -2 (a channel outside [0, D)), -3 (a first position past mid_end - n_s). */
 int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
-                         const float *kT, int64_t ts_b, int64_t ts_h, int64_t ts_d,
+                         const void *kT, int64_t kt_bf16, int64_t ts_b, int64_t ts_h, int64_t ts_d,
                          const int64_t *ch, int64_t cs_b, int64_t cs_h, const int64_t *first,
                          int64_t *out, int64_t os_b, int64_t os_h,
                          int64_t B, int64_t H, int64_t G, int64_t C, int64_t D,
@@ -1088,7 +1101,7 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     int64_t width = n_s + (n < k ? (n > 0 ? n : 0) : k) + n_r;
     select_job jobs[MAX_THREADS];
     for (int64_t i = 0; i < t; i++) {
-        select_job j = {q, kT, ch, first, out, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
+        select_job j = {q, kT, ch, first, out, kt_bf16, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
                         n_s, mid_end, k, n_r, width, pairs * i / t, pairs * (i + 1) / t, 0};
         jobs[i] = j;
     }
@@ -1261,7 +1274,7 @@ double kvpass_cosine_sum(const float *a, int64_t as_b, int64_t as_h, const float
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _CHANNELS_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I]
-_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I] + [_I] * 10
+_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I] + [_I] * 10
 _COSINE_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I]
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
@@ -1319,7 +1332,8 @@ def tailor_select_cpu(
 
     Args:
         q: ``(B, H_q, D)`` the decode queries, ``H_q = G * H_kv``; contiguous last dim.
-        kT: ``(B, H_kv, D, S)`` the host tier's keys channel-major (S a capacity >= ``mid_end``).
+        kT: ``(B, H_kv, D, S)`` fp32 or bf16, the host tier's keys channel-major (S a capacity >=
+            ``mid_end``); a bf16 copy is read as its fp32 values.
         ch: ``(B, H_kv, C)`` int64 critical channels (:func:`critical_channels`).
         n_sinks, mid_end, k, n_recent: the sinks ``[0, n_sinks)``, the candidates ``[n_sinks, mid_end)``,
             the top-k, the recent tokens ``[mid_end, mid_end + n_recent)``.
@@ -1336,7 +1350,8 @@ def tailor_select_cpu(
     fn = _cpu_fn("kvpass_tailor_select", _SELECT_ARGTYPES)
     b, h_q, d = q.shape
     n = mid_end - n_sinks
-    ok = (fn is not None and _plain_cpu(q, torch.float32) and _plain_cpu(kT, torch.float32)
+    ok = (fn is not None and _plain_cpu(q, torch.float32)
+          and (_plain_cpu(kT, torch.float32) or _plain_cpu(kT, torch.bfloat16))
           and _plain_cpu(ch, torch.int64) and q.dim() == 3 and kT.dim() == 4 and ch.dim() == 3
           and kT.shape[0] == b and kT.shape[2] == d and kT.shape[1] > 0 and h_q % kT.shape[1] == 0
           and tuple(ch.shape[:2]) == tuple(kT.shape[:2]) and 0 <= n_sinks and n >= 0 and k >= 0
@@ -1344,8 +1359,8 @@ def tailor_select_cpu(
           and (first is None or (_plain_cpu(first, torch.int64) and first.shape == (b,) and first.is_contiguous())))
     if not ok:
         raise ValueError(
-            "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and kT (B, H_kv, D, S) with contiguous last "
-            "dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, first None or a "
+            "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and fp32 or bf16 kT (B, H_kv, D, S) with "
+            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, first None or a "
             f"contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
             f"{tuple(kT.shape)} {kT.dtype}, ch {tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, "
             f"mid_end={mid_end}, k={k}, n_recent={n_recent}, first "
@@ -1353,7 +1368,8 @@ def tailor_select_cpu(
     h = kT.shape[1]
     out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
     if out.numel():
-        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kT.data_ptr(), *kT.stride()[:3], ch.data_ptr(),
+        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kT.data_ptr(), int(kT.dtype == torch.bfloat16),
+                *kT.stride()[:3], ch.data_ptr(),
                 ch.stride(0), ch.stride(1), None if first is None else first.data_ptr(), out.data_ptr(),
                 out.stride(0), out.stride(1), b, h, h_q // h, ch.shape[2], d, n_sinks, mid_end, k, n_recent,
                 torch.get_num_threads())

@@ -14,6 +14,8 @@ from kvpass.runtime.state import AttentionCall, SiteState
 class StreamingState(SiteState):
     """StreamingLLM: the first ``sinks`` real tokens of each row plus the last ``window`` tokens."""
 
+    _offsets: tuple | None = None  # (key, base, shift) of the unpadded selection (see select)
+
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         sinks, window = self.policy.sinks, self.policy.window
         length, dev = call.length, call.k.device
@@ -21,9 +23,16 @@ class StreamingState(SiteState):
         if self.pad.first_min + sinks >= length - window:
             return None  # the budget covers every row's context: exact attention
         if self.pad.first is None:
-            first = torch.zeros(batch, dtype=torch.long, device=dev)
-        else:
-            first = self.pad.first.expand(batch)  # a mask shared by the batch gives one row
+            # every row starts at 0 and every sink is before the window: [0, sinks) + [L - window, L) is
+            # one op on cached offsets (a steady step's selection costs one small op)
+            key = (sinks, window, dev)
+            if self._offsets is None or self._offsets[0] != key:
+                base = torch.cat([torch.arange(sinks), torch.arange(-window, 0)]).to(dev)
+                shift = torch.cat([torch.zeros(sinks, dtype=torch.long), torch.ones(window, dtype=torch.long)])
+                self._offsets = (key, base, shift.to(dev))
+            _, base, shift = self._offsets
+            return torch.add(base, shift, alpha=length).expand(batch, h_kv, -1)
+        first = self.pad.first.expand(batch)  # a mask shared by the batch gives one row
         sink_idx = first[:, None] + torch.arange(sinks, device=dev)
         sink_idx = torch.where(sink_idx < length - window, sink_idx, -1)
         recent = torch.arange(length - window, length, device=dev).expand(batch, -1)
@@ -67,7 +76,6 @@ class QuestState(SiteState):
         super().reset()
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
-        self._rows: torch.Tensor | None = None  # arange(B), for the padded decode step's page update
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -90,6 +98,8 @@ class QuestState(SiteState):
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
+        if call.new_tokens == 1 and call.start > 0:
+            return  # a steady step: select() merges the key into its page, in its C call where it runs one
         if self.pad.padded:
             self._observe_rows(call)
         elif call.start == 0:
@@ -97,14 +107,6 @@ class QuestState(SiteState):
             kmin[:, :, :pages] = lo
             kmax[:, :, :pages] = hi
             _unopened(self.meta[:, :, pages:])
-        elif call.new_tokens == 1:
-            # a decode step: the token's page is merged with what it holds (pages not yet opened hold
-            # +inf / -inf), so every step runs the same ops, wherever the page boundary falls
-            p0 = call.start // ps
-            k_new = call.k[:, :, call.start : call.length].float()
-            page = self.meta[:, :, p0 : p0 + 1]
-            torch.maximum(page[..., :d], k_new, out=page[..., :d])
-            torch.minimum(page[..., d:], k_new, out=page[..., d:])
         else:
             quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
 
@@ -115,17 +117,6 @@ class QuestState(SiteState):
 
         ps, d, batch = self.policy.page_size, call.k.shape[3], call.k.shape[0]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
-        if call.new_tokens == 1 and call.start > 0:
-            # a steady step: row b's new token (cache position L - 1) is in its page (L - 1 - f_b) // ps;
-            # one gather and one scatter of a page per row, the same ops every step, no host read
-            if self._rows is None or self._rows.shape[0] != batch:
-                self._rows = torch.arange(batch, device=call.k.device)
-            p = (call.start - self.pad.first.expand(batch)) // ps
-            page = self.meta[self._rows, :, p]  # (B, H_kv, 2D)
-            k_new = call.k[:, :, call.start].float()
-            self.meta[self._rows, :, p] = torch.cat(
-                [torch.maximum(page[..., :d], k_new), torch.minimum(page[..., d:], k_new)], dim=-1)
-            return
         # an event (prefill, chunk, adopted cache): the mask is read, rows one by one
         first = first_positions(call.valid, batch, "in its prefill")
         if call.start == 0:
@@ -165,9 +156,20 @@ class QuestState(SiteState):
         return (q.device.type == "cpu" and q.dtype == torch.float32 and type(q) is torch.Tensor
                 and q.stride(2) == 1 and quest_top_pages_cpu_available())
 
+    def _fold_key(self, call: AttentionCall) -> None:
+        """A steady step's metadata update in torch: the new key (position L - 1) joins its row's page
+        (the same ops every step; no host read)."""
+        from kvpass.kernels.quest import quest_fold_key_
+
+        quest_fold_key_(self.meta, call.k[:, :, call.length - 1], self.pad.first if self.pad.padded else None,
+                        call.length, self.policy.page_size)
+
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
+        steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
         if length - self.pad.first_min <= budget:
+            if steady:
+                self._fold_key(call)
             self.pages = None
             return None  # every row fits in the budget: exact attention, as each alone
         pages = -(-length // ps)
@@ -181,10 +183,18 @@ class QuestState(SiteState):
             # scoring, the top pages (ascending, then the newest) and their token positions in one C call
             from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
-            select = quest_select_cpu if in_c else quest_select_torch
-            self.pages, idx = select(q, self.meta, self.pad.first if padded else None, length, ps, budget, n,
-                                     n_pages, self.policy.gqa)
+            first = self.pad.first if padded else None
+            if in_c:
+                # the key's merge, scoring, the top pages and their positions: one call
+                self.pages, idx = quest_select_cpu(q, self.meta, first, length, ps, budget, n, n_pages,
+                                                   self.policy.gqa, k_new=call.k[:, :, length - 1] if steady else None)
+                return idx
+            if steady:
+                self._fold_key(call)
+            self.pages, idx = quest_select_torch(q, self.meta, first, length, ps, budget, n, n_pages, self.policy.gqa)
             return idx
+        if steady:
+            self._fold_key(call)
         if not q.is_cuda:
             from kvpass.kernels.quest import quest_top_pages_torch
 

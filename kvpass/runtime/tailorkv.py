@@ -176,7 +176,7 @@ class TailorState(SiteState):
         # sparse layer (device tier)
         self.sink_k = self.sink_v = self.rec_k = self.rec_v = None
         self.kabs: torch.Tensor | None = None
-        self.kT: torch.Tensor | None = None  # (B, H_kv, D, capacity): host-tier keys, channel-major
+        self.kT: torch.Tensor | None = None  # (B, H_kv, D, capacity): host-tier keys, channel-major (bf16 for fp32)
         self.ch: torch.Tensor | None = None  # (B, H_kv, c) channels prefetched for this step
         self.k_ch: torch.Tensor | None = None  # (B, H_kv, candidates, c) their keys
         self.q_hat: torch.Tensor | None = None
@@ -274,10 +274,12 @@ class TailorState(SiteState):
             raise KVPassError("kvpass: TailorKV serves a padded batch in place on the CPU path only (fp32, the C "
                               "kernels built); this sequence must be served row by row")
         # a channel-major copy of the keys in the host tier: the prefetch of c critical channels then
-        # reads c contiguous rows, c/D of the keys, instead of touching every key
+        # reads c contiguous rows, c/D of the keys, instead of touching every key. Fp32 keys are copied as
+        # bf16: the copy only ranks candidates on c of D channels (an estimate already), and the
+        # selection reads half the bytes (docs/design.md, "TailorKV's channel copy in bf16")
         b, h, _, d = k.shape
         cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
-        self.kT = host_empty((b, h, d, cap), k.dtype)
+        self.kT = host_empty((b, h, d, cap), torch.bfloat16 if k.dtype == torch.float32 else k.dtype)
         self.kT[:, :, :, :length] = k.transpose(2, 3)
         self.kT[:, :, :, length:].zero_()
         if not self.in_c:
