@@ -72,12 +72,12 @@ def test_cpu_paths_compare_each_c_kernel_with_the_torch_path_it_replaces():
 
     rows = benchmark_cpu_paths(quick=True)  # each row also checks that both give the same result
     names = {"attend_all", "attend_listed", "attend_listed_huge", "attend_listed_cold", "quest_top_pages",
-             "cluster_recall", "tailor_select"}
+             "cluster_recall", "tailor_select", "tailor_select_cold"}
     assert {(r["kernel"], r["B"]) for r in rows} == {(k, s.B) for k in names for s in QUICK_CPU_PATH_SHAPES}
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
-        base = {"attend_listed_huge": "4 KiB pages", "attend_listed_cold": f"{r['N']} contiguous rows"}.get(
-            r["kernel"], "torch path")
+        base = {"attend_listed_huge": "4 KiB pages", "attend_listed_cold": f"{r['N']} contiguous rows",
+                "tailor_select_cold": "fp32 channel copy"}.get(r["kernel"], "torch path")
         assert r["impl"] == "C" and r["baseline"] == base and r["ms"] > 0 and r["baseline_ms"] > 0
         assert r["bytes"] > 0 and r["speedup"] == r["baseline_ms"] / r["ms"]
     assert "attend_listed" in format_table(rows)

@@ -189,3 +189,7 @@ def test_policy_label_names_what_sets_a_policy_apart():
     assert policy_label(TailorKV(profile="auto")) == "TailorKV profile=auto"
     assert policy_label(TailorKV(profile="auto", group_size=16)) == "TailorKV profile=auto group_size=16"
     assert policy_label(ClusterKV(budget=512, kmeans_iters=4)) == "ClusterKV kmeans_iters=4"
+    from kvpass.tailorkv import Profile
+
+    prof = Profile(config_key="k", model_type="llama", scores=((0, 0.5), (1, 0.1)))
+    assert policy_label(TailorKV(profile=prof)) == "TailorKV profiled"

@@ -499,8 +499,7 @@ def _label(r: dict) -> str:
     b = r.get("budget")
     if b is not None and "ratio=" not in name:
         name += f" {b}"
-    if ("profile=" in r["policy"] and "profile=None" not in r["policy"]
-            and " profile=" not in name):
+    if "profile=" in r["policy"] and "profile=None" not in r["policy"] and " profile" not in name:
         name += " profiled"  # rows written before policy_label named TailorKV's profile
     return name
 

@@ -433,6 +433,9 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       copied from the channel-major keys, :func:`~kvpass.kernels.tailorkv.partial_topk_ref`, the list),
       the keys channel-major in bf16 as the runtime holds them; bytes: the channel rows read and the list
       written.
+    - ``tailor_select_cold``: :func:`~kvpass.kernels.tailorkv.tailor_select_cpu` alone with the caches
+      flushed before each call, over the bf16 channel copy against an fp32 one (``baseline`` "fp32
+      channel copy"); bytes: the channel rows read and the list written.
 
     Raises RuntimeError where the C kernels are not built."""
     from kvpass.kernels import clusterkv, cpu_decode, quest, tailorkv
@@ -528,7 +531,19 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             assert torch.equal(c()[..., sinks : sinks + top], t()[..., sinks : sinks + top].sort(-1).values)
             add("tailor_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 BH * (n_ch * (mid_end - sinks) * kT.element_size() + 8 * s.N), {"N": s.N - 128 + sinks + recent})
-            del q, k, kT, kabs
+            # the C call with the caches flushed (channel rows from memory, as in a model's step), over the
+            # bf16 copy against an fp32 one (what the runtime held before): the price of the copy's bytes
+            kT32, ch = kT.float(), tailorkv.critical_channels_cpu(q, kabs, n_ch)
+            flush = torch.zeros(32 << 20, dtype=torch.int32)
+            cold = lambda t: _time_cpu_cold(  # noqa: E731
+                lambda: tailorkv.tailor_select_cpu(q, t, ch, sinks, mid_end, top, recent), quick, flush)
+            assert torch.equal(tailorkv.tailor_select_cpu(q, kT, ch, sinks, mid_end, top, recent),
+                               tailorkv.tailor_select_cpu(q, kT32, ch, sinks, mid_end, top, recent))  # same values
+            nb16, nb32 = (BH * (n_ch * (mid_end - sinks) * es + 8 * s.N) for es in (2, 4))
+            ms16, ms32 = cold(kT), cold(kT32)
+            add("tailor_select_cold", s, ms16, ms32, nb16, {"N": s.N - 128 + sinks + recent,
+                "baseline": "fp32 channel copy", "baseline_bytes": nb32, "baseline_gbps": nb32 / ms32 / 1e6})
+            del q, k, kT, kT32, kabs, flush
     return rows
 
 

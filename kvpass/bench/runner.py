@@ -118,7 +118,7 @@ _BUDGET_FIELDS = {"budget", "sparse_budget", "static_tokens", "window", "cache_r
 def policy_label(policy: Policy) -> str:
     """The policy's name, with what sets it apart in a table besides its budget: offload (ClusterKV),
     the cache ratio of ratio-budgeted policies (CentroidKV), TailorKV's profile (``profile=auto``, or
-    ``profile=given`` for a calibrated one), and every other parameter that differs from the
+    ``profiled`` for a calibrated one), and every other parameter that differs from the
     class default (``ClusterKV kmeans_iters=4``)."""
     import dataclasses
 
@@ -129,8 +129,8 @@ def policy_label(policy: Policy) -> str:
     if ratio is not None:
         label += f" ratio={ratio}"
     prof = getattr(policy, "profile", None)
-    if prof is not None:  # 'auto', or a calibrated Profile (a path is loaded into one): no short name
-        label += " profile=" + (prof if isinstance(prof, str) else "given")
+    if prof is not None:  # 'auto', or a calibrated Profile (a path is loaded into one, the bench makes one)
+        label += " profile=auto" if prof == "auto" else " profiled"
     changed = [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
                if f.name not in _BUDGET_FIELDS and f.default is not dataclasses.MISSING
                and getattr(policy, f.name) != f.default]
