@@ -1360,8 +1360,8 @@ def tailor_select_cpu(
     if not ok:
         raise ValueError(
             "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and fp32 or bf16 kT (B, H_kv, D, S) with "
-            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, first None or a "
-            f"contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
+            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, "
+            f"first None or a contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
             f"{tuple(kT.shape)} {kT.dtype}, ch {tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, "
             f"mid_end={mid_end}, k={k}, n_recent={n_recent}, first "
             f"{None if first is None else (tuple(first.shape), first.dtype)}")

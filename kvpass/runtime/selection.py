@@ -97,9 +97,9 @@ class QuestState(SiteState):
         ps, d = self.policy.page_size, call.k.shape[3]
         pages = -(-call.length // ps)
         self._ensure_capacity(call, pages)
-        kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         if call.new_tokens == 1 and call.start > 0:
             return  # a steady step: select() merges the key into its page, in its C call where it runs one
+        kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         if self.pad.padded:
             self._observe_rows(call)
         elif call.start == 0:
@@ -167,34 +167,31 @@ class QuestState(SiteState):
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
-        if length - self.pad.first_min <= budget:
-            if steady:
-                self._fold_key(call)
+        covered = length - self.pad.first_min <= budget
+        q = call.q[:, :, 0]
+        in_c = not covered and self._top_in_c(q)
+        if steady and not in_c:
+            self._fold_key(call)  # the C call merges it itself
+        if covered:
             self.pages = None
             return None  # every row fits in the budget: exact attention, as each alone
         pages = -(-length // ps)
-        q = call.q[:, :, 0]
         n = budget // ps - 1
         padded = self.pad.padded
         # padded rows differ in length: a row that fits in the budget takes all its pages
         n_pages = max(n, -(-budget // ps) - 1) if padded else min(n, pages - 1)
-        in_c = self._top_in_c(q)
         if padded or in_c:
-            # scoring, the top pages (ascending, then the newest) and their token positions in one C call
+            # the key's merge, scoring, the top pages (ascending, then the newest) and their token positions
+            # in one C call
             from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
             first = self.pad.first if padded else None
+            args = (q, self.meta, first, length, ps, budget, n, n_pages, self.policy.gqa)
             if in_c:
-                # the key's merge, scoring, the top pages and their positions: one call
-                self.pages, idx = quest_select_cpu(q, self.meta, first, length, ps, budget, n, n_pages,
-                                                   self.policy.gqa, k_new=call.k[:, :, length - 1] if steady else None)
-                return idx
-            if steady:
-                self._fold_key(call)
-            self.pages, idx = quest_select_torch(q, self.meta, first, length, ps, budget, n, n_pages, self.policy.gqa)
+                self.pages, idx = quest_select_cpu(*args, k_new=call.k[:, :, length - 1] if steady else None)
+            else:
+                self.pages, idx = quest_select_torch(*args)
             return idx
-        if steady:
-            self._fold_key(call)
         if not q.is_cuda:
             from kvpass.kernels.quest import quest_top_pages_torch
 

@@ -276,7 +276,7 @@ class TailorState(SiteState):
         # a channel-major copy of the keys in the host tier: the prefetch of c critical channels then
         # reads c contiguous rows, c/D of the keys, instead of touching every key. Fp32 keys are copied as
         # bf16: the copy only ranks candidates on c of D channels (an estimate already), and the
-        # selection reads half the bytes (docs/design.md, "TailorKV's channel copy in bf16")
+        # selection reads half the bytes (docs/design.md, "A steady step's selection in fewer ops")
         b, h, _, d = k.shape
         cap = max(self.store.k.shape[2] if self.store.k is not None else 0, length)
         self.kT = host_empty((b, h, d, cap), torch.bfloat16 if k.dtype == torch.float32 else k.dtype)
