@@ -43,8 +43,8 @@ def run(model, tokenizer, tmp_path_factory):
     try:
         first = dc.run_decode_cost(model, tokenizer, policies, CONTEXTS, [1], out, **KW)
         n_first = len(load_results(out / dc.RESULTS))
-        # resume: the batch-1 cells are in the file; only eager and Full at batch 2 are new
-        again = dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1, 2], out, **KW)
+        # resume: the batch-1 cells are in the file; only eager and Full at batch 2 are new, in two rounds
+        again = dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1, 2], out, **KW, rounds=2)
     finally:
         torch.set_num_threads(threads)
     rows = load_results(out / dc.RESULTS)
@@ -60,7 +60,8 @@ def test_rows_for_every_policy_and_eager(run):
         assert {(c, 1) for c in CONTEXTS} <= cells
         assert ((BATCH_CONTEXT, 2) in cells) == (name in ("eager", "Full()"))
     for r in rows:
-        assert r["ms_per_token"] > 0 and len(r["step_ms"]) == 2 and r["threads"] == 1 and r["batch"] in (1, 2)
+        assert r["ms_per_token"] > 0 and len(r["step_ms"]) == 2 * r["rounds"] and r["threads"] == 1
+        assert r["rounds"] == (2 if r["batch"] == 2 else 1) and len(r["round_ms"]) == r["rounds"]
         assert r["graphs_compiled_timed"] == 0, r["policy"]
         assert r["graphs_compiled_warmup"] == 0, (r["policy"], r["context"], r["batch"])  # the backend warm-up did it
         assert r["bytes"]["total"] == r["bytes"]["weights"] + r["bytes"]["kv"] + r["bytes"]["metadata"]
@@ -85,6 +86,38 @@ def test_resume_skips_finished_cells(run):
         if key in done:
             assert r["finished"] == done[key]  # the row from the file, not a new measurement
     assert sorted((r["policy"], r["batch"]) for r in rows[n_first:]) == [("Full()", 2), ("eager", 2)]
+
+
+def test_rounds_merge_to_the_median_of_round_medians(run):
+    _, _, rows, _ = run
+    for r in rows:
+        if r["rounds"] == 2:
+            # each round's median is its own 2 steps' median: the merged row keeps them in run order
+            halves = [r["step_ms"][:2], r["step_ms"][2:]]
+            assert r["round_ms"] == pytest.approx([sum(h) / 2 for h in halves])
+            assert r["ms_per_token"] == pytest.approx(sum(r["round_ms"]) / 2)
+            assert r["min_ms"] == min(r["step_ms"])
+    parts = [{"ms_per_token": m, "min_ms": m - 1, "step_ms": [m], "warmup_ms": [9.0], "graphs_compiled_warmup": 1,
+              "graphs_compiled_timed": g, "tokens_attended": i} for i, (m, g) in enumerate([(5.0, 0), (50.0, 1), (7.0, 0)])]
+    merged = dc.merge_rounds(parts)
+    assert merged["ms_per_token"] == 7.0 and merged["round_ms"] == [5.0, 50.0, 7.0]  # the slow round moves nothing
+    assert merged["min_ms"] == 4.0 and merged["step_ms"] == [5.0, 50.0, 7.0] and merged["warmup_ms"] == [9.0] * 3
+    assert merged["graphs_compiled_timed"] == 1 and merged["graphs_compiled_warmup"] == 3
+    assert merged["tokens_attended"] == 2  # the report comes from the last round
+
+
+def test_a_cell_below_its_floor_is_marked(run):
+    _, _, rows, _ = run
+    target = next(r for r in rows if r["policy"].startswith("Quest") and r["context"] == 320)
+    floor, _ = dc.floor_of(target, rows)
+    for factor, marked in ((0.5, True), (1.0, False)):
+        # every compressed cell at its floor (the tiny model's times are noise), the target at factor x its floor
+        edited = [dict(r, ms_per_token=dc.floor_of(r, rows)[0] * (factor if r is target else 1.0))
+                  if r["kind"] == "kvpass" and r["policy"] != "Full()" else r for r in rows]
+        text = dc.markdown_tables(edited)
+        cell = f"{factor * floor:.1f} ("
+        line = next(l for l in text.splitlines() if l.startswith("| Quest") and cell in l)
+        assert ("‡" in line) == marked and ("‡ faster than 0.9×" in text) == marked
 
 
 def test_cell_cache_is_prefix_repeat_and_copies():

@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed decode steps per cell, median reported (default 8; --quick: 4)")
     g.add_argument("--warmup-steps", type=int, default=3, metavar="N",
                    help="decode steps dropped per cell before timing (default %(default)s)")
+    g.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure every cell N times, interleaved with the other cells of its graph, and report "
+                        "the median of the rounds (default %(default)s; 3 makes the floors robust to a slow spell "
+                        "of a shared machine)")
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
     g.add_argument("--no-skinny-linear", dest="skinny_linear", action="store_false",

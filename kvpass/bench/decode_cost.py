@@ -25,6 +25,13 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   compiled once per thread count (``torch._dynamo.reset()`` between them, ``dynamic=True``) and warmed up
   on short contexts at batch 1 and 2 first; the row records how many graphs were compiled during its
   warm-up and its timed steps (``len(backend.graphs)``; 0 expected in the timed steps).
+- **Rounds** (``--rounds R``, default 1): each graph key's cells are measured R times, one cell after the
+  other and in the opposite order every other round, each time with a fresh cache and its dropped steps;
+  ms/token is the median of the R medians (``round_ms`` keeps them). Full and the selection policies share
+  one graph, so their floors are measured interleaved with them: a slow spell of a shared machine then moves
+  the floor and the policy alike instead of one of them. A key's rows are written when its last round ends.
+  A compressed cell below 0.9× its floor (:data:`DISTURBED`) is marked ‡ on the page: the two were measured
+  on a machine running at different speeds.
 - **Bytes a step must read** (:func:`weight_bytes`, :func:`step_bytes`): every parameter once (linear
   weights, norms, the LM head; a tied embedding once, as the LM head; an untied embedding one row per
   sequence), the attended KV (``tokens_attended`` of ``backend.report_rows()`` summed over sites × 2 ×
@@ -288,6 +295,7 @@ def run_decode_cost(
     command: str | None = None,
     progress: bool = True,
     skinny_linear: bool = True,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """Measure every cell not yet in ``out_dir/decode_cost.jsonl`` (see the module docstring); return the
     rows of this call's cells. ``profile_batches``: the batches at ``batch_context`` whose cells get the
@@ -298,8 +306,9 @@ def run_decode_cost(
     from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
     from kvpass.policies.full import Full
 
-    if steps < 1 or warmup_steps < 1:
-        raise ValueError(f"kvpass: decode cost needs steps >= 1 and warmup_steps >= 1, got {steps}, {warmup_steps}")
+    if steps < 1 or warmup_steps < 1 or rounds < 1:
+        raise ValueError(f"kvpass: decode cost needs steps, warmup_steps and rounds >= 1, got {steps}, "
+                         f"{warmup_steps}, {rounds}")
     if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
         raise ValueError(f"kvpass: decode cost needs positive contexts and batches, got {contexts}, {batches}")
     policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
@@ -394,11 +403,22 @@ def run_decode_cost(
                         if progress:
                             print(f"kvpass bench --decode-cost: compiled {len(backend.graphs)} graph(s) for {gk} "
                                   f"in {compile_s:.0f} s ({t} thread(s))", flush=True)
-                    for _, p, c, b in cells:
-                        row = _run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids(c, b), steps=steps,
-                                        warmup_steps=warmup_steps,
-                                        profile_steps=profile_steps if (c == batch_context and b in profile_batches)
-                                        else 0, per_token=per_token, n_layers=n_layers)
+                    # rounds: every cell of the key once per round, the order reversed every other round, so
+                    # that a slow spell of the machine lands on all cells instead of a few consecutive ones
+                    parts: dict[tuple, list[dict]] = defaultdict(list)
+                    for rnd in range(rounds):
+                        for cell in (cells if rnd % 2 == 0 else cells[::-1]):
+                            _, p, c, b = cell
+                            profiled = rnd == rounds - 1 and c == batch_context and b in profile_batches
+                            parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids(c, b),
+                                                         steps=steps, warmup_steps=warmup_steps,
+                                                         profile_steps=profile_steps if profiled else 0,
+                                                         per_token=per_token, n_layers=n_layers))
+                        if progress and rounds > 1:
+                            print(f"kvpass bench --decode-cost: {gk}: round {rnd + 1} of {rounds} done", flush=True)
+                    for cell in cells:
+                        _, p, c, b = cell
+                        row = merge_rounds(parts[cell])
                         row.update({
                             "model": model_name, "policy": EAGER if p == EAGER else p.describe(),
                             "policy_name": "eager HF" if p == EAGER else policy_label(p),
@@ -410,7 +430,7 @@ def run_decode_cost(
                             "prefill_s": prefill_s, "compile_s": compile_s, "kv_heads": kv_heads,
                             "head_dim": head_dim, "element_size": es,
                             "bandwidth": bw, "machine": machine, "command": command, "finished": _now(),
-                            "skinny_linear": skinny_linear,
+                            "skinny_linear": skinny_linear, "rounds": rounds,
                         })
                         wb = weight_bytes(model, b)
                         row["weight_bytes"] = wb
@@ -424,12 +444,30 @@ def run_decode_cost(
                             print(f"  {row['policy_name']:<28} ctx={c:<6} batch={b:<3} {row['ms_per_token']:8.1f} "
                                   f"ms/token, {by['total'] / 1e9:.3f} GB/step, {row['gbps']:.1f} GB/s "
                                   f"({100 * row['bandwidth_share']:.0f} %), graphs compiled in warm-up / timed steps "
-                                  f"{row['graphs_compiled_warmup']} / {row['graphs_compiled_timed']}", flush=True)
+                                  f"{row['graphs_compiled_warmup']} / {row['graphs_compiled_timed']}"
+                                  + (f", rounds {' '.join(f'{x:.1f}' for x in row['round_ms'])}" if rounds > 1 else ""),
+                                  flush=True)
                     del backend, fwd
     finally:
         torch.set_num_threads(old_threads)
         torch._dynamo.reset()
     return [results[key_of(p, c, b, t)] for t in threads for p, c, b in plan]
+
+
+def merge_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a cell's rounds (each a :func:`_run_cell` row): ms/token is the median of the rounds'
+    medians (one disturbed round of three moves nothing), ``round_ms`` keeps each round's median, the step
+    lists are concatenated and the graph counts summed; everything else (the report, the breakdown) comes
+    from the last round."""
+    row = dict(parts[-1])
+    row["round_ms"] = [p["ms_per_token"] for p in parts]
+    row["ms_per_token"] = statistics.median(row["round_ms"])
+    row["min_ms"] = min(p["min_ms"] for p in parts)
+    row["step_ms"] = [x for p in parts for x in p["step_ms"]]
+    row["warmup_ms"] = [x for p in parts for x in p["warmup_ms"]]
+    for k in ("graphs_compiled_warmup", "graphs_compiled_timed"):
+        row[k] = sum(p[k] for p in parts)
+    return row
 
 
 def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, steps, warmup_steps, profile_steps,
@@ -527,6 +565,13 @@ def floor_of(row: dict, rows: list[dict]) -> tuple[float | None, str | None]:
     return best["ms_per_token"], str(best["context"])
 
 
+DISTURBED = 0.9  # a compressed cell faster than this times its floor did less work than Full, or the floor was slow
+
+
+def _disturbed(r: dict, vs_floor: float) -> bool:
+    return r.get("kind") == "kvpass" and r["policy"] != "Full()" and vs_floor < DISTURBED
+
+
 def _ratios(r: dict, rows: list[dict], idx) -> tuple[float, float, int | None]:
     full = idx.get(("Full()", r["context"], r["batch"], r["threads"]))
     vs_full = r["ms_per_token"] / full["ms_per_token"] if full else float("nan")
@@ -535,8 +580,15 @@ def _ratios(r: dict, rows: list[dict], idx) -> tuple[float, float, int | None]:
     return vs_full, vs_floor, fc
 
 
+def _spread(r: dict) -> str:
+    """The slowest round's median over the fastest's: how much the machine drifted during the cell."""
+    ms = r.get("round_ms") or []
+    return f"{max(ms) / min(ms):.2f}" if len(ms) > 1 else "–"
+
+
 def _detail_table(rows: list[dict], sel, idx, all_rows) -> list[str]:
-    head = ["policy", "context", "batch", "ms/token", "× Full", "× floor (Full at)", "tokens attended/site",
+    head = ["policy", "context", "batch", "ms/token", "× Full", "× floor (Full at)", "rounds max / min",
+            "tokens attended/site",
             "weights MB", "KV MB", "metadata ≤ MB", "bytes/step MB", "GB/s", "share of bandwidth", "graphs in timed steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for pol, _ in _order(rows):
@@ -545,7 +597,8 @@ def _detail_table(rows: list[dict], sel, idx, all_rows) -> list[str]:
             by = r["bytes"]
             lines.append("| " + " | ".join([
                 _label(r), str(r["context"]), str(r["batch"]), _f(r["ms_per_token"]), _f(vs_full, 2) + "×",
-                f"{_f(vs_floor, 2)}× ({fc})" if fc else "–", _f(r["attended_per_site"], 0),
+                (f"{_f(vs_floor, 2)}× ({fc})" + (" ‡" if _disturbed(r, vs_floor) else "")) if fc else "–",
+                _spread(r), _f(r["attended_per_site"], 0),
                 _f(by["weights"] / 1e6), _f(by["kv"] / 1e6), _f(by["metadata"] / 1e6), _f(by["total"] / 1e6),
                 _f(r["gbps"]), _f(100 * r["bandwidth_share"], 0) + " %", str(r["graphs_compiled_timed"]),
             ]) + " |")
@@ -566,7 +619,8 @@ def _pivot(rows: list[dict], axis: str, fixed: dict, idx, all_rows) -> list[str]
                 continue
             name = _label(r)
             vs_full, vs_floor, _ = _ratios(r, all_rows, idx)
-            cells.append(f"{_f(r['ms_per_token'])} ({_f(vs_full, 2)}× / {_f(vs_floor, 2)}×)")
+            mark = " ‡" if _disturbed(r, vs_floor) else ""
+            cells.append(f"{_f(r['ms_per_token'])} ({_f(vs_full, 2)}× / {_f(vs_floor, 2)}×{mark})")
         lines.append("| " + " | ".join([name or pol] + cells) + " |")
     return lines
 
@@ -599,13 +653,18 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
             tiny = " (structure only: random weights)" if model.startswith("tiny") else ""
             parts.append(f"### {model}{tiny}, {t} thread(s) (bandwidth {bw:.1f} GB/s)")
             batch_ctx = max((r["context"] for r in trows if r["batch"] > 1), default=None)
-            parts += ["", "**By context, batch 1**: ms/token (× Full at the same context / × floor)", ""]
-            parts += _pivot(trows, "context", {"batch": 1}, idx, mrows)
+            sec = ["", "**By context, batch 1**: ms/token (× Full at the same context / × floor)", ""]
+            sec += _pivot(trows, "context", {"batch": 1}, idx, mrows)
             if batch_ctx is not None:
-                parts += ["", f"**By batch, context {batch_ctx}**: ms/token (× Full / × floor)", ""]
-                parts += _pivot(trows, "batch", {"context": batch_ctx}, idx, mrows)
-            parts += ["", "**Bytes per step and bandwidth**", ""]
-            parts += _detail_table(trows, lambda r: r["batch"] == 1 or r["context"] == batch_ctx, idx, mrows)
+                sec += ["", f"**By batch, context {batch_ctx}**: ms/token (× Full / × floor)", ""]
+                sec += _pivot(trows, "batch", {"context": batch_ctx}, idx, mrows)
+            sec += ["", "**Bytes per step and bandwidth**", ""]
+            sec += _detail_table(trows, lambda r: r["batch"] == 1 or r["context"] == batch_ctx, idx, mrows)
+            if any("‡" in line for line in sec):
+                sec += ["", f"‡ faster than {DISTURBED}× its floor: a compressed step cannot cost much less than "
+                            "Full's step over the tokens it attends, so the machine ran slower while the floor was "
+                            "measured (or faster during this cell); that ratio does not measure the policy."]
+            parts += sec
             bt = _breakdown_table(trows)
             if bt:
                 parts += ["", "**Where a step goes** (ms per step, profiled steps)", ""] + bt
@@ -726,6 +785,7 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
     timed = sorted({r["steps"] for r in rows})
     warm = sorted({r["warmup_steps"] for r in rows})
     compiled = sum(r["graphs_compiled_timed"] for r in rows)
+    rounds = sorted({r.get("rounds", 1) for r in rows})
     lines += [
         "",
         f"{len(rows)} cells, finished between {first} and {last} (UTC).",
@@ -741,6 +801,13 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
         f"the cache and builds its metadata there); ms/token is the median of {', '.join(map(str, timed))} timed "
         "steps. Each graph key was compiled once per thread count and warmed up on short contexts first; graphs "
         f"compiled during timed steps, summed over all cells: **{compiled}**.",
+        *([f"- **Rounds**: every cell was measured in {', '.join(map(str, rounds))} round(s): each round runs "
+           "every cell of a graph key once (a fresh cache, the dropped steps, the timed steps), in the opposite "
+           "order every other round, so that the floors (Full) and the policies sharing the "
+           "`kvpass::attention` graph are measured interleaved in time; ms/token is the median of the rounds' "
+           "medians, and `rounds max / min` in the detail table is the slowest round over the fastest. TailorKV "
+           "compiles its own graph, so its rounds interleave with each other, not with Full's."]
+          if rounds != [1] else []),
         f"- **Bytes a step must read**: the weights, {wb['weights'] / 1e6:.1f} MB (every parameter once: linear "
         "layers, norms, the LM head; a tied embedding once, as the LM head; an untied embedding one row per "
         f"sequence: {wb['embedding_rows']} B at batch 1), plus the attended KV: `tokens_attended` of "
@@ -757,7 +824,8 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str) -> Path:
         "over the sites: ClusterKV's dense layers attend everything), at the same batch: interpolated "
         "linearly between the two measured contexts that bracket N (Full's step reads the weights plus N "
         "tokens per site), else Full at the nearest measured context (e.g. 1024 for a budget of 1024). The "
-        "detail table gives N and the contexts used, or the one context, in parentheses.",
+        "detail table gives N and the contexts used, or the one context, in parentheses. ‡ marks a compressed "
+        f"cell faster than {DISTURBED}× its floor (the machine drifted between the two; not a measurement).",
         "- **Breakdown**: extra decode steps under `torch.profiler` after the timed ones; self CPU time of the "
         "main thread goes to `selection` (ranges `kvpass.select`), `gather+attention` (ranges `kvpass.attend`, "
         "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "
@@ -817,7 +885,7 @@ def _command(args: argparse.Namespace) -> str:
         return shlex.join(["kvpass"] + sys.argv[1:])
     parts = ["kvpass", "bench", "--decode-cost", "--model", args.model]
     for opt in ("policies", "contexts", "batches", "batch_context", "steps", "warmup_steps", "profile_steps",
-                "threads", "results_md"):
+                "rounds", "threads", "results_md"):
         v = getattr(args, opt, None)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
@@ -849,7 +917,7 @@ def run(args: argparse.Namespace) -> int:
     run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
                     steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
                     model_name=model_name, command=command, progress=not args.no_progress,
-                    skinny_linear=args.skinny_linear)
+                    skinny_linear=args.skinny_linear, rounds=args.rounds)
     rows = [r for r in load_results(out / RESULTS) if r["model"] == model_name]
     print()
     print(markdown_tables(rows))
