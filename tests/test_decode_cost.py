@@ -106,6 +106,25 @@ def test_rounds_merge_to_the_median_of_round_medians(run):
     assert merged["tokens_attended"] == 2  # the report comes from the last round
 
 
+def test_statistic_min_takes_the_fastest_step(run, tmp_path):
+    out, _, rows, _ = run
+    for r in rows:
+        m = dc.restat(r, "min")
+        assert m["ms_per_token"] == min(r["step_ms"]) == r["min_ms"] and m["median_ms"] == r["ms_per_token"]
+        assert m["gbps"] == pytest.approx(r["bytes"]["total"] / (m["ms_per_token"] / 1e3) / 1e9)
+        assert m["bandwidth_share"] == pytest.approx(m["gbps"] / r["bandwidth"]["gbps"])
+        assert dc.restat(r)["ms_per_token"] == r["ms_per_token"]
+    with pytest.raises(ValueError, match="statistic"):
+        dc.restat(rows[0], "mean")
+    page = dc.write_decode_cost_md(out, tmp_path / "cost.md", "kvpass bench --decode-cost --statistic min", "min")
+    text = page.read_text()
+    assert "**fastest** timed step" in text
+    full = next(r for r in rows if r["policy"] == "Full()" and r["context"] == 320 and r["batch"] == 1)
+    line = next(l for l in text.splitlines() if l.startswith("| Full (kvpass) | 320 | 1 |"))
+    # ms/token, median ms, fastest ms
+    assert line.split(" | ")[3:6] == [f"{full['min_ms']:.1f}", f"{full['ms_per_token']:.1f}", f"{full['min_ms']:.1f}"]
+
+
 def test_a_cell_below_its_floor_is_marked(run):
     _, _, rows, _ = run
     target = next(r for r in rows if r["policy"].startswith("Quest") and r["context"] == 320)

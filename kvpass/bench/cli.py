@@ -115,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure every cell N times, interleaved with the other cells of its graph, and report "
                         "the median of the rounds (default %(default)s; 3 makes the floors robust to a slow spell "
                         "of a shared machine)")
+    g.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="ms/token on the tables and the page: the median of the timed steps (of the rounds' "
+                        "medians), or the fastest timed step, the cost with the least interference from other "
+                        "work (default %(default)s; re-summarises a finished --out without measuring)")
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
     g.add_argument("--no-skinny-linear", dest="skinny_linear", action="store_false",
