@@ -399,6 +399,7 @@ def benchmark_kernels(
 CPU_PATH_SHAPES = (
     Shape("smollm2", 1, 9, 3, 64, 8192, 1024),
     Shape("smollm2", 8, 9, 3, 64, 8192, 1024),
+    Shape("smollm2", 1, 9, 3, 64, 32768, 1024),  # decode-cost's 32k target: selection over 4x the candidates
 )
 QUICK_CPU_PATH_SHAPES = (
     Shape("smollm2", 1, 9, 3, 64, 2048, 256),
@@ -427,6 +428,10 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     - ``cluster_recall``: ``C = S // 80`` clusters, budget ``N``:
       :func:`~kvpass.kernels.clusterkv.select_clusters_cpu` against
       :func:`~kvpass.kernels.clusterkv.select_clusters_ref`; bytes as for ``select_clusters``.
+    - ``cluster_select``: ClusterKV's whole decode-step list (``C = S // 80`` clusters, 16 sinks, 64 recent
+      tokens, ``N - 80`` recalled slots, gqa "sum"): :func:`~kvpass.kernels.clusterkv.cluster_select_cpu`
+      against :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and
+      offsets, the recalled order slots read and the list written.
     - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
       ``N - 128`` fetched: :func:`~kvpass.kernels.tailorkv.critical_channels_cpu` +
       :func:`~kvpass.kernels.tailorkv.tailor_select_cpu` against the torch path (the channels, their rows
@@ -509,7 +514,22 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             BH = s.B * s.H_kv
             add("cluster_recall", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 BH * (20 * scores.shape[2] + 8 + 16 * s.N))
-            del scores, sizes, offsets, order
+            del scores
+            # ClusterKV's whole step list: q . mu of every cluster, the recall, the sinks and recent tokens
+            g = torch.Generator(device="cpu").manual_seed(5)
+            C = sizes.shape[2]
+            # small integers: every score is exact in fp32 whatever order the C and BLAS sums add in, so
+            # both paths rank the same ties the same way and the lists can be compared
+            qc = torch.randint(-8, 9, (s.B, s.H_q, s.D), generator=g).float()
+            cent = torch.randint(-8, 9, (s.B, s.H_kv, C, s.D), generator=g).float()
+            n_s, n_r = 16, 64
+            args = (qc, cent, sizes, offsets, order, None, s.S, n_s, s.N - n_s - n_r, n_r, -1, s.N, "sum")
+            c = lambda: clusterkv.cluster_select_cpu(*args)  # noqa: E731
+            t = lambda: clusterkv.cluster_select_torch(*args, select=clusterkv.select_clusters_ref)  # noqa: E731
+            assert torch.equal(c(), t())
+            add("cluster_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                BH * (C * (4 * s.D + 16) + 16 * s.N) + 4 * s.B * s.H_q * s.D, {"clusters": C})
+            del sizes, offsets, order, qc, cent
 
             # TailorKV's sparse layer: channels from the estimate, the top-k from the true query, the list
             q, k, _, _ = _sparse_inputs(s, "cpu", torch.float32, seed=3)

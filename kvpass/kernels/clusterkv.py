@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import interpreting, require_triton, tl, triton
+from .native import VECTOR16
 
 __all__ = [
     "KMeans",
@@ -669,15 +670,36 @@ def select_clusters_ref(
 _SELECT_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
-
+""" + VECTOR16 + r"""
 typedef struct { float s; int64_t c; } rank_t;
 
-/* descending score, ties to the lower cluster index (torch.sort(descending=True, stable=True)) */
-static int by_rank(const void *a, const void *b) {
-    const rank_t *x = (const rank_t *)a, *y = (const rank_t *)b;
-    if (x->s != y->s) return x->s > y->s ? -1 : 1;
-    return (x->c > y->c) - (x->c < y->c);
+/* x ranks before y: descending score, ties to the lower cluster index (torch.sort(descending=True,
+   stable=True)); scores here are never NaN (filtered where they are made) */
+static inline int before(const rank_t *x, const rank_t *y) { return x->s > y->s || (x->s == y->s && x->c < y->c); }
+
+/* A binary heap with the best cluster on top: a step recalls a dozen clusters of hundreds, so popping
+   them in rank order (O(C) to build, O(log C) a pop) replaces sorting them all (qsort's O(C log C)
+   calls through a function pointer were most of a step's selection at 32k tokens). */
+static void sift_down(rank_t *h, int64_t n, int64_t i) {
+    rank_t v = h[i];
+    for (;;) {
+        int64_t l = 2 * i + 1;
+        if (l >= n) break;
+        int64_t m = (l + 1 < n && before(&h[l + 1], &h[l])) ? l + 1 : l;
+        if (!before(&h[m], &v)) break;
+        h[i] = h[m];
+        i = m;
+    }
+    h[i] = v;
+}
+static void heapify(rank_t *h, int64_t n) { for (int64_t i = n / 2 - 1; i >= 0; i--) sift_down(h, n, i); }
+static rank_t pop_best(rank_t *h, int64_t *n) {
+    rank_t top = h[0];
+    h[0] = h[--*n];
+    sift_down(h, *n, 0);
+    return top;
 }
 
 /* select_clusters_ref in one pass per (b, h): the eligible clusters (score > -inf, size > 0) ranked,
@@ -700,9 +722,9 @@ int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int6
                 float s = sc[c * ss_c];
                 if (s > -INFINITY && sz[c * zs_c] > 0) { r[n].s = s; r[n].c = c; n++; }
             }
-            qsort(r, (size_t)n, sizeof(rank_t), by_rank);
-            for (int64_t i = 0; i < n && j < budget; i++) {
-                int64_t c = r[i].c, z = sz[c * zs_c], first = off[c * fs_c];
+            heapify(r, n);
+            while (n > 0 && j < budget) {
+                int64_t c = pop_best(r, &n).c, z = sz[c * zs_c], first = off[c * fs_c];
                 for (int64_t t = 0; t < z && j < budget; t++, j++) {
                     int64_t src = first + t;
                     o[j * xs_j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
@@ -753,20 +775,29 @@ int kvpass_cluster_select(const float *q, int64_t qs_b, int64_t qs_h,
                 const int64_t *sz = sizes + b * zs_b + h * zs_h, *off = offsets + b * fs_b + h * fs_h;
                 const int64_t *ord = order + b * rs_b + h * rs_h;
                 int64_t n = 0;
+                /* 16 lanes at a time where D allows: a scalar sum is one chain of D dependent adds (the
+                   compiler may not reorder float adds), most of the scoring's time at hundreds of clusters */
+                const int vec = D % 16 == 0;
                 for (int64_t c = 0; c < C; c++) {
                     if (sz[c * zs_c] <= 0) continue;
                     const float *m = ce + c * cs_c;
                     float best = 0.f;
                     for (int64_t g = 0; g < rows; g++) {
                         float acc = 0.f;
-                        for (int64_t d = 0; d < D; d++) acc += qq[g * D + d] * m[d];
+                        if (vec) {
+                            v16 a = load16(qq + g * D) * load16(m);
+                            for (int64_t d = 16; d < D; d += 16) a += load16(qq + g * D + d) * load16(m + d);
+                            acc = hsum16(a);
+                        } else {
+                            for (int64_t d = 0; d < D; d++) acc += qq[g * D + d] * m[d];
+                        }
                         if (g == 0 || acc > best) best = acc;
                     }
                     if (best > -INFINITY) { r[n].s = best; r[n].c = c; n++; }
                 }
-                qsort(r, (size_t)n, sizeof(rank_t), by_rank);
-                for (int64_t i = 0; i < n && j < end; i++) {
-                    int64_t c = r[i].c, z = sz[c * zs_c], at = off[c * fs_c];
+                heapify(r, n);
+                while (n > 0 && j < end) {
+                    int64_t c = pop_best(r, &n).c, z = sz[c * zs_c], at = off[c * fs_c];
                     for (int64_t t = 0; t < z && j < end; t++, j++) {
                         int64_t src = at + t;
                         o[j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
