@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpass import CentroidKV, KVPassError, kvpass
+from kvpass.kernels.centroid import log_degree_bias
 from kvpass.runtime import Runtime
 from kvpass.runtime.store import make_stub
 from tiny import generate, prompt, tiny_llama
@@ -92,6 +93,8 @@ def test_invariants_at_every_step(budget, chunk):
         assert torch.equal(st_.k[:, :, :8], kk[:, :, :8]) and torch.equal(st_.deg[:, :, :8], torch.ones(2, 3, 8))
         assert torch.equal(st_.k[:, :, s - 16 : s], kk[:, :, -16:])  # recent tokens untouched
         assert torch.equal(st_.v[:, :, s - 16 : s], vv[:, :, -16:])
+        # the bias the state keeps between merges is the one its degrees give
+        assert torch.equal(st_.bias[:, :, :s], log_degree_bias(st_.deg[:, :, :s]))
         ref = merged_oracle(q, st_.k[:, :, :s], st_.v[:, :, :s], st_.deg[:, :, :s], 1 / math.sqrt(16))
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert st_.rounds >= 2 and st_.merged == 540 - st_.s
@@ -161,6 +164,7 @@ def test_outlier_heads_are_the_least_redundant_and_stay_whole():
         states = [next(g_) for g_ in gens]
     s1 = states[1][0]
     assert s1.outl.tolist() == [1] and s1.comp.tolist() == [0]
+    assert torch.equal(s1.bias[:, :, : s1.s], log_degree_bias(s1.deg[:, :, : s1.s]))
     assert s1.ko.shape[2] >= s1.logical == 405
     assert all(st_.outl.numel() == 0 for st_, *_ in (states[0], states[2]))
     # the model as a whole holds at most half of Full's token slots

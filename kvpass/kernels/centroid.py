@@ -657,6 +657,13 @@ def merge_round(
 # --------------------------------------------------------------------------------------------------
 
 
+def log_degree_bias(deg: torch.Tensor) -> torch.Tensor:
+    """``log deg`` in fp32, ``-inf`` where ``deg <= 0`` (an ignored slot): the bias of
+    :func:`centroid_decode_attention`, same shape as ``deg``."""
+    d = deg.float()
+    return torch.where(d > 0, d.clamp_min(1e-30).log(), float("-inf"))
+
+
 def centroid_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -664,6 +671,7 @@ def centroid_decode_attention(
     deg: torch.Tensor,
     scale: float | None = None,
     use_triton: bool | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a merged cache: ``softmax(scale * q k^T + log deg) v``.
 
@@ -677,6 +685,8 @@ def centroid_decode_attention(
         scale: softmax scale, default ``1/sqrt(D)``.
         use_triton: ``None`` runs the Triton kernel on CUDA tensors and the torch reference
             elsewhere; ``True`` forces the kernel (CUDA or ``TRITON_INTERPRET=1``).
+        bias: ``log_degree_bias(deg)`` when the caller keeps it (CentroidKV's state does, so that a
+            decode step does not recompute it); ``None`` computes it from ``deg``.
 
     Returns:
         ``(B, H_q, Dv)`` in q's dtype; a head whose slots all have degree 0 gives zeros.
@@ -688,8 +698,10 @@ def centroid_decode_attention(
         )
     if deg.device != k.device:
         raise ValueError(f"kvpass: {who} needs deg on {k.device}, got {deg.device}")
-    d = deg.float()
-    bias = torch.where(d > 0, d.clamp_min(1e-30).log(), float("-inf"))
+    if bias is None:
+        bias = log_degree_bias(deg)
+    elif tuple(bias.shape) != tuple(deg.shape):
+        raise ValueError(f"kvpass: {who} needs bias shaped like deg {tuple(deg.shape)}, got {tuple(bias.shape)}")
     if use_triton is None:
         use_triton = q.is_cuda and triton_available(q)
     if use_triton:

@@ -67,11 +67,12 @@ def chunk_match(k: torch.Tensor, lo: int, hi: int, chunk: int):
     return centroid.chunk_match_ref(k, lo, hi, chunk)
 
 
-def centroid_attention(q, k, v, deg, scale: float) -> torch.Tensor:
-    """(B, H_q, Dv) decode attention with the log-degree bias (degree 0: the slot is ignored)."""
+def centroid_attention(q, k, v, deg, scale: float, bias=None) -> torch.Tensor:
+    """(B, H_q, Dv) decode attention with the log-degree bias (degree 0: the slot is ignored); ``bias``:
+    that bias when the caller keeps it."""
     from kvpass.kernels import centroid
 
-    return centroid.centroid_decode_attention(q, k, v, deg, scale=scale, use_triton=_use_triton(q))
+    return centroid.centroid_decode_attention(q, k, v, deg, scale=scale, use_triton=_use_triton(q), bias=bias)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):

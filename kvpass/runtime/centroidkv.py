@@ -34,6 +34,10 @@ class CentroidState(SiteState):
     def reset(self) -> None:
         super().reset()
         self.k = self.v = self.deg = None
+        # log-degree bias of the slots (B, H_c, capacity), kept beside deg so that a decode step does not
+        # recompute it: new slots append 0 (log 1); a merge, a reorder or a new head split drops it
+        self.bias: torch.Tensor | None = None
+        self.all_comp = True
         self.s = 0
         self.ko = self.vo = None
         self.logical = 0
@@ -79,6 +83,8 @@ class CentroidState(SiteState):
         (compressed heads are chosen at the first decode step)."""
         self.comp = torch.arange(k.shape[1], device=k.device)
         self.outl = self.comp[:0]
+        self.all_comp = True  # every head compressed: a step's new rows need no head gather
+        self.bias = None
         n = k.shape[2]
         self.k = _grow(None, k, 0, n, self.SLACK)
         self.v = _grow(None, v, 0, n, self.SLACK)
@@ -90,14 +96,17 @@ class CentroidState(SiteState):
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
-        if len(self.comp):
+        if self.all_comp or len(self.comp):
             need = self.s + t
             self.k = _grow(self.k, k, self.s, need, self.SLACK)
             self.v = _grow(self.v, v, self.s, need, self.SLACK)
             self.deg = _grow(self.deg, self.deg, self.s, need, self.SLACK)
-            self.k[:, :, self.s : need] = k[:, self.comp]
-            self.v[:, :, self.s : need] = v[:, self.comp]
+            self.k[:, :, self.s : need] = k if self.all_comp else k[:, self.comp]
+            self.v[:, :, self.s : need] = v if self.all_comp else v[:, self.comp]
             self.deg[:, :, self.s : need] = 1.0
+            if self.bias is not None:
+                self.bias = _grow(self.bias, self.bias, self.s, need, self.SLACK)
+                self.bias[:, :, self.s : need] = 0.0
             self.s = need
         if len(self.outl):
             need = self.logical + t
@@ -113,6 +122,7 @@ class CentroidState(SiteState):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows))
+        self.bias = None
 
     # -- outlier heads and the budget ------------------------------------------------------------
     def _redundancy(self) -> torch.Tensor:
@@ -155,6 +165,7 @@ class CentroidState(SiteState):
         self.target = max(held - p.step, p.sinks + p.recent + 1)
         if out:
             dev = self.k.device
+            self.all_comp, self.bias = False, None
             self.outl = torch.tensor(out, device=dev)
             self.comp = torch.tensor([h for h in range(h_kv) if h not in out], device=dev)
             n = self.s
@@ -172,6 +183,7 @@ class CentroidState(SiteState):
         from kvpass.kernels.centroid import merge_round, num_candidates
 
         p = self.policy
+        self.bias = None  # the degrees change here (a step merges rarely: recomputed at its attention)
         if self.comp is None or not len(self.comp) or p.merge_ratio == 0:
             return
         use_triton = self.k.is_cuda
@@ -220,15 +232,19 @@ class CentroidState(SiteState):
         h_kv = len(self.comp) + len(self.outl)
         g = h_q // h_kv
         dv = (self.v if self.v is not None else self.vo).shape[-1]
-        if not len(self.outl):
+        if self.k is not None and self.bias is None:
+            from kvpass.kernels.centroid import log_degree_bias
+
+            self.bias = log_degree_bias(self.deg)
+        if self.all_comp:
             out = centroid_attention(q[:, :, 0], self.k[:, :, : self.s], self.v[:, :, : self.s],
-                                     self.deg[:, :, : self.s], scale)
+                                     self.deg[:, :, : self.s], scale, self.bias[:, :, : self.s])
             return out.unsqueeze(2)
         out = q.new_empty((b, h_q, dv))
         if len(self.comp):
             qh = self._heads(self.comp, g)
             out[:, qh] = centroid_attention(q[:, qh, 0], self.k[:, :, : self.s], self.v[:, :, : self.s],
-                                            self.deg[:, :, : self.s], scale)
+                                            self.deg[:, :, : self.s], scale, self.bias[:, :, : self.s])
         qh = self._heads(self.outl, g)
         from kvpass.lowering.dispatch import sparse_attention
 
