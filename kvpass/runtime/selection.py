@@ -40,10 +40,15 @@ class StreamingState(SiteState):
         return idx[:, None, :].expand(batch, h_kv, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        # no padding: the C kernel reads the two ranges in place through the list select() made (building
+        # the ranges' positions again would cost two aranges and a cat a site and step)
+        out = self.attend_listed_in_c(call, idx)
+        if out is not None:
+            return out
         q = call.q
         if not (q.device.type == "cpu" and q.dtype == call.k.dtype == torch.float32 and call.valid is None):
             return super().attend_selected(call, idx)
-        # no padding: the selection is two ranges of the cache, attended in place
+        # no padding, no C kernel: the selection is two ranges of the cache, attended in place
         from kvpass.kernels.sparse_attention import segments_decode_attention
 
         sinks, length = self.policy.sinks, call.length
