@@ -146,6 +146,11 @@ def test_prompt_length(task, haystack, context, seed, tokenizer):
         # at once, more than 1.5 % of the smallest contexts under the character tokenizer
         # (found by hypothesis: context 500, seed 140, 487 characters)
         low = min(low, context - 24)
+    if tokenizer == "chars" and haystack == "prose":
+        # the prompt grows by whole words, and a prose word (an identifier, a path) can be longer than
+        # the 1.5 % slack in characters: the longest is 50 (found by hypothesis: multi_key_needle,
+        # context 500, seed 43493, 490 characters, the next word overshooting 500)
+        low = min(low, context - 51)
     assert low <= n <= context
     assert 0.95 * context <= n
 

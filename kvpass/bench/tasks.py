@@ -259,7 +259,9 @@ def _fit(
     what: str,
 ) -> tuple[int, str]:
     """An ``(n, build(n))`` with ``n`` in ``[0, n_max]`` whose prompt has at most ``context_tokens``
-    tokens and at least ``context_tokens - max(1, floor(_SLACK * context_tokens))``, found by a secant
+    tokens and at least ``context_tokens - max(1, floor(_SLACK * context_tokens))`` (or the largest ``n``
+    that fits, where ``build(n + 1)`` adds more tokens than that slack: a long word under a character
+    tokenizer), found by a secant
     search (bisection after a few steps) that tokenizes the whole prompt each step. ``build``'s
     token count must grow with ``n``; ``guess(t0)`` proposes the first ``n`` given the token count of
     ``build(0)``."""
