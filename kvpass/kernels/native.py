@@ -42,6 +42,18 @@ static inline float hsum16(v16 x) {
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
+/* sum of r[d] * m[d] over n values: 16 lanes at a time (n % 16 == 0), else one at a time (a scalar sum
+   is one chain of n dependent adds: the compiler may not reorder float additions) */
+static inline float dot(const float *r, const float *m, int64_t n) {
+    if (n % 16 == 0) {
+        v16 acc = load16(r) * load16(m);
+        for (int64_t d = 16; d < n; d += 16) acc += load16(r + d) * load16(m + d);
+        return hsum16(acc);
+    }
+    float acc = 0.f;
+    for (int64_t d = 0; d < n; d++) acc += r[d] * m[d];
+    return acc;
+}
 """
 
 _lock = threading.Lock()

@@ -316,17 +316,6 @@ _TOP_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 """ + VECTOR16 + r"""
-/* sum of r[d] * m[d] over n values: 16 lanes at a time (n % 16 == 0), else one at a time */
-static inline float dot(const float *r, const float *m, int64_t n) {
-    if (n % 16 == 0) {
-        v16 acc = load16(r) * load16(m);
-        for (int64_t d = 16; d < n; d += 16) acc += load16(r + d) * load16(m + d);
-        return hsum16(acc);
-    }
-    float acc = 0.f;
-    for (int64_t d = 0; d < n; d++) acc += r[d] * m[d];
-    return acc;
-}
 
 typedef struct { float s; int64_t p; } cand_t;
 
