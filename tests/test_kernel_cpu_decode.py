@@ -28,8 +28,11 @@ def test_kernel_is_built_here():
 @given(
     b=st.integers(1, 3),
     h_kv=st.integers(1, 3),
-    g=st.sampled_from([1, 3, 4, 16]),
-    d=st.sampled_from([8, 16, 24, 64]),  # 16 and 64: the vector path; 8 and 24: the scalar one
+    # groups 1-8 at head dims 64 and 128 run the unrolled copies of the vector path; other groups and dims
+    # that are a multiple of the machine's lanes (4, 8 or 16) the generic copy; 12 on AVX2 and 264 (over
+    # 256) the scalar loops
+    g=st.sampled_from([1, 2, 3, 4, 7, 9, 16]),
+    d=st.sampled_from([12, 16, 24, 64, 128, 264]),
     s=st.integers(1, 70),
     n=st.integers(0, 90),
     listed=st.booleans(),

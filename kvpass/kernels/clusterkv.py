@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import interpreting, require_triton, tl, triton
-from .native import VECTOR16
+from .native import VECTOR
 
 __all__ = [
     "KMeans",
@@ -672,7 +672,7 @@ _SELECT_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-""" + VECTOR16 + r"""
+""" + VECTOR + r"""
 typedef struct { float s; int64_t c; } rank_t;
 
 /* x ranks before y: descending score, ties to the lower cluster index (torch.sort(descending=True,
@@ -780,7 +780,7 @@ int kvpass_cluster_select(const float *q, int64_t qs_b, int64_t qs_h,
                     const float *m = ce + c * cs_c;
                     float best = 0.f;
                     for (int64_t g = 0; g < rows; g++) {
-                        float acc = dot(qq + g * D, m, D);  /* 16 lanes: hundreds of clusters at 32k */
+                        float acc = dot(qq + g * D, m, D);  /* in lanes: hundreds of clusters at 32k */
                         if (g == 0 || acc > best) best = acc;
                     }
                     if (best > -INFINITY) { r[n].s = best; r[n].c = c; n++; }

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .native import VECTOR16
+from .native import VECTOR
 
 __all__ = ["available", "cpu_decode_attention", "cpu_decode_attention_ref"]
 
@@ -39,13 +39,10 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR16 + r"""
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-typedef int32_t i16 __attribute__((vector_size(64)));
-
+""" + VECTOR + r"""
 /* m ? a : b, lane by lane (C has no vector ?:) */
-static inline v16 sel(i16 m, v16 a, v16 b) {
-    i16 ia, ib;
+static inline vf sel(vi m, vf a, vf b) {
+    vi ia, ib;
     memcpy(&ia, &a, sizeof ia);
     memcpy(&ib, &b, sizeof ib);
     ia = (m & ia) | (~m & ib);
@@ -53,40 +50,48 @@ static inline v16 sel(i16 m, v16 a, v16 b) {
     return a;
 }
 
-/* exp(x) for x <= 0, 16 at a time (Cephes' expf: x = g + n ln2, |g| <= ln2 / 2, a polynomial in g,
+/* exp(x) for x <= 0, VW at a time (Cephes' expf: x = g + n ln2, |g| <= ln2 / 2, a polynomial in g,
    times 2^n; relative error about 1e-7); below -87 the result is 0. */
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){0} - 87.f;
-    i16 under = x < lo;
+static inline vf expv(vf x) {
+    const vf lo = (vf){0} - 87.f;
+    vi under = x < lo;
     x = sel(under, lo, x);
-    v16 t = x * 1.44269504088896341f + 0.5f;
-    v16 n = __builtin_convertvector(__builtin_convertvector(t, i16), v16);  /* truncates toward 0 */
+    vf t = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  /* truncates toward 0 */
     n = sel(n > t, n - 1.f, n);  /* floor(x log2 e + 1/2): the nearest integer */
-    v16 g = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 z = g * g;
-    v16 y = 1.9875691500e-4f * g + 1.3981999507e-3f;
+    vf g = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf z = g * g;
+    vf y = 1.9875691500e-4f * g + 1.3981999507e-3f;
     y = y * g + 8.3334519073e-3f;
     y = y * g + 4.1665795894e-2f;
     y = y * g + 1.6666665459e-1f;
     y = y * g + 5.0000001201e-1f;
     y = y * z + g + 1.f;
-    i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 p2;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf p2;
     memcpy(&p2, &e, sizeof p2);
     y = y * p2;
-    return sel(under, (v16){0}, y);
+    return sel(under, (vf){0}, y);
 }
 
-/* exp of n values <= 0, in place */
-static void exp_inplace(float *restrict x, int64_t n) {
+/* x[n] = exp(x[n] - m) for n < N, in place; returns their sum (VW partial sums) */
+static float exp_sum(float *restrict x, int64_t n, float m) {
+    vf acc = (vf){0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) store16(x + i, exp16(load16(x + i)));
-    if (i < n) {
-        float tail[16] = {0};
-        memcpy(tail, x + i, sizeof(float) * (n - i));
-        store16(tail, exp16(load16(tail)));
-        memcpy(x + i, tail, sizeof(float) * (n - i));
+    for (; i + VW <= n; i += VW) {
+        vf e = expv(loadv(x + i) - m);
+        storev(x + i, e);
+        acc += e;
     }
+    if (i < n) {
+        float tail[VW];
+        for (int64_t j = 0; j < VW; j++) tail[j] = i + j < n ? x[i + j] - m : -FLT_MAX;
+        vf e = expv(loadv(tail));
+        storev(tail, e);
+        memcpy(x + i, tail, sizeof(float) * (n - i));
+        acc += e;
+    }
+    return hsumv(acc);
 }
 
 /* rows prefetched ahead: listed rows are scattered (clusters, pages), so the hardware cannot guess them */
@@ -97,11 +102,153 @@ static void exp_inplace(float *restrict x, int64_t n) {
 #else
 #define MIN_ROWS_PER_THREAD 8192  /* a thread started per call costs tens of microseconds */
 #endif
+#define MAX_D 256  /* the vector path's head dim; a larger one takes the scalar loops */
 static inline void prefetch_row(const float *r, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 0);
 }
 static inline void prefetch_row_l2(const float *r, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 2);
+}
+
+/* Vector chunks of a V row accumulated at once in pass 2: G * CB accumulators stay in registers (at most
+   12 of the machine's 16 or 32), CB a power of two that divides DV */
+#define CB_OF(G, DV) ((G) <= 1 && (DV) % 8 == 0 ? 8 : (G) <= 3 && (DV) % 4 == 0 ? 4 : (G) <= 6 && (DV) % 2 == 0 ? 2 : 1)
+
+/* the VW lanes of x summed down to 4, in hsumv's order */
+static inline v4 fold4(vf x) {
+#if VW == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif VW == 8
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+#else
+    return x;
+#endif
+}
+
+/* Pass 1 of the vector path: sc[g * N + n] = q_g . k_row + bias (-FLT_MAX for a skipped row, rows[n] < 0),
+   the G queries pre-scaled in qs (g-major). Four rows at a time: their four sums of one query finish in
+   one vector (a horizontal sum per row and query cost more than the products). Inlined with constant G
+   and D (pick_passes below), the loops unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void scores_body(
+        const float *restrict qs, const float *restrict k, int64_t ks_s, const float *restrict v, int64_t vs_s,
+        const int64_t *restrict rows, int64_t N, const float *restrict bias, int64_t bs_s, float *restrict sc,
+        int scattered, int v_ahead, const int64_t G, const int64_t D) {
+    const int64_t DV = D / VW;
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        v4 part[16][4];
+        float b4[4];
+        for (int64_t r = 0; r < 4; r++) {
+            const int64_t n = n0 + r, pos = n < N ? rows[n] : -1, at = pos < 0 ? 0 : pos;  /* row 0 stands in */
+            if (scattered && n + AHEAD < N && rows[n + AHEAD] >= 0) {
+                prefetch_row(k + rows[n + AHEAD] * ks_s, 4 * D);
+                if (v_ahead) prefetch_row_l2(v + rows[n + AHEAD] * vs_s, 4 * D);
+            }
+            const float *kr = k + at * ks_s;
+            vf acc[16];
+            vf x = loadv(kr);
+            for (int64_t g = 0; g < G; g++) acc[g] = loadv(qs + g * D) * x;
+            for (int64_t c = 1; c < DV; c++) {
+                x = loadv(kr + VW * c);
+                for (int64_t g = 0; g < G; g++) acc[g] += loadv(qs + g * D + VW * c) * x;
+            }
+            for (int64_t g = 0; g < G; g++) part[g][r] = fold4(acc[g]);
+            b4[r] = pos < 0 ? -FLT_MAX : bias ? bias[pos * bs_s] : 0.f;
+        }
+        v4 bv;
+        memcpy(&bv, b4, sizeof bv);
+        const int64_t live = N - n0 < 4 ? N - n0 : 4;
+        for (int64_t g = 0; g < G; g++) {
+            v4 t0 = __builtin_shufflevector(part[g][0], part[g][1], 0, 4, 1, 5)
+                  + __builtin_shufflevector(part[g][0], part[g][1], 2, 6, 3, 7);
+            v4 t1 = __builtin_shufflevector(part[g][2], part[g][3], 0, 4, 1, 5)
+                  + __builtin_shufflevector(part[g][2], part[g][3], 2, 6, 3, 7);
+            v4 s4 = __builtin_shufflevector(t0, t1, 0, 1, 4, 5) + __builtin_shufflevector(t0, t1, 2, 3, 6, 7) + bv;
+            float o[4];
+            memcpy(o, &s4, sizeof o);
+            for (int64_t r = 0; r < live; r++) sc[g * N + n0 + r] = b4[r] == -FLT_MAX ? -FLT_MAX : o[r];
+        }
+    }
+}
+
+/* the largest of n values */
+static float max_of(const float *restrict x, int64_t n) {
+    float m = -FLT_MAX;
+    int64_t i = 0;
+    if (n >= VW) {
+        vf mv = loadv(x);
+        for (i = VW; i + VW <= n; i += VW) {
+            vf y = loadv(x + i);
+            mv = sel(y > mv, y, mv);
+        }
+        float t[VW];
+        storev(t, mv);
+        for (int64_t j = 0; j < VW; j++) m = t[j] > m ? t[j] : m;
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* Pass 2 of the vector path: out_g = sum_n sc[g * N + n] v_row / l[g], CB chunks of the row at a time
+   over all rows (each pass reads other cache lines of the rows) */
+static inline __attribute__((always_inline)) void wsum_body(
+        const float *restrict sc, const float *restrict v, int64_t vs_s, const int64_t *restrict rows, int64_t N,
+        const float *restrict l, float *restrict out, int64_t os_h, int scattered, const int64_t G,
+        const int64_t D) {
+    const int64_t DV = D / VW, CB = CB_OF(G, DV);
+    for (int64_t c0 = 0; c0 < DV; c0 += CB) {
+        vf acc[16 * 8];
+        for (int64_t i = 0; i < G * CB; i++) acc[i] = (vf){0};
+        for (int64_t n = 0; n < N; n++) {
+            int64_t pos = rows[n];
+            if (pos < 0) continue;
+            if (scattered && n + AHEAD < N && rows[n + AHEAD] >= 0)
+                prefetch_row(v + rows[n + AHEAD] * vs_s + VW * c0, 4 * VW * CB);
+            const float *vr = v + pos * vs_s + VW * c0;
+            for (int64_t j = 0; j < CB; j++) {
+                vf x = loadv(vr + VW * j);
+                for (int64_t g = 0; g < G; g++) acc[g * CB + j] += sc[g * N + n] * x;
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < CB; j++)
+                storev(out + g * os_h + VW * (c0 + j), acc[g * CB + j] * (1.f / l[g]));
+    }
+}
+
+#define SCORES_ARGS const float *restrict qs, const float *restrict k, int64_t ks_s, const float *restrict v, \
+    int64_t vs_s, const int64_t *restrict rows, int64_t N, const float *restrict bias, int64_t bs_s, \
+    float *restrict sc, int scattered, int v_ahead, int64_t G, int64_t D
+#define WSUM_ARGS const float *restrict sc, const float *restrict v, int64_t vs_s, const int64_t *restrict rows, \
+    int64_t N, const float *restrict l, float *restrict out, int64_t os_h, int scattered, int64_t G, int64_t D
+typedef void (*scores_fn)(SCORES_ARGS);
+typedef void (*wsum_fn)(WSUM_ARGS);
+/* one copy of each pass per (G, D) the models use (the loops unrolled), and one for any other */
+#define PASSES(GG, DD) \
+    static void scores_##GG##_##DD(SCORES_ARGS) { \
+        (void)G; (void)D; scores_body(qs, k, ks_s, v, vs_s, rows, N, bias, bs_s, sc, scattered, v_ahead, GG, DD); } \
+    static void wsum_##GG##_##DD(WSUM_ARGS) { \
+        (void)G; (void)D; wsum_body(sc, v, vs_s, rows, N, l, out, os_h, scattered, GG, DD); }
+static void scores_any(SCORES_ARGS) { scores_body(qs, k, ks_s, v, vs_s, rows, N, bias, bs_s, sc, scattered, v_ahead, G, D); }
+static void wsum_any(WSUM_ARGS) { wsum_body(sc, v, vs_s, rows, N, l, out, os_h, scattered, G, D); }
+#define PASSES_D(DD) PASSES(1, DD) PASSES(2, DD) PASSES(3, DD) PASSES(4, DD) PASSES(5, DD) PASSES(6, DD) \
+    PASSES(7, DD) PASSES(8, DD)
+PASSES_D(64)
+PASSES_D(128)
+#define PICK(DD) \
+    switch (G) { \
+    case 1: *s = scores_1_##DD; *w = wsum_1_##DD; return; case 2: *s = scores_2_##DD; *w = wsum_2_##DD; return; \
+    case 3: *s = scores_3_##DD; *w = wsum_3_##DD; return; case 4: *s = scores_4_##DD; *w = wsum_4_##DD; return; \
+    case 5: *s = scores_5_##DD; *w = wsum_5_##DD; return; case 6: *s = scores_6_##DD; *w = wsum_6_##DD; return; \
+    case 7: *s = scores_7_##DD; *w = wsum_7_##DD; return; case 8: *s = scores_8_##DD; *w = wsum_8_##DD; return; \
+    }
+static void pick_passes(int64_t G, int64_t D, scores_fn *s, wsum_fn *w) {
+    if (D == 64) PICK(64)
+    if (D == 128) PICK(128)
+    *s = scores_any;
+    *w = wsum_any;
 }
 
 /* One (batch row, KV head) pair: G queries over N listed rows of k, v, plus bias[pos] when bias is not
@@ -113,12 +260,12 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
                  float *restrict sc, int64_t *restrict rows, int64_t G, int64_t S, int64_t N, int64_t D,
                  float scale) {
     float m[16], l[16];
-    const int64_t DV = D / 16, vec = (D % 16 == 0) && D <= 256;
-    v16 qv[16][16];  /* the group's queries, pre-scaled, when D is a multiple of 16 (<= 256) */
+    const int vec = (D % VW == 0) && D <= MAX_D;
+    float qs[16 * MAX_D];  /* the group's queries, pre-scaled, g-major (vector path) */
     for (int64_t g = 0; g < G; g++) {
         m[g] = -FLT_MAX;
         l[g] = 0.f;
-        if (vec) for (int64_t c = 0; c < DV; c++) qv[g][c] = load16(q + g * qs_h + 16 * c) * scale;
+        if (vec) for (int64_t d = 0; d < D; d++) qs[g * D + d] = q[g * qs_h + d] * scale;
     }
     /* the rows to read, -1 for a skipped one; read once here, so that pass 2 need not look again */
     int64_t valid = 0;
@@ -130,60 +277,33 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
     }
     for (int64_t g = 0; g < G; g++) memset(out + g * os_h, 0, sizeof(float) * D);
     if (!valid) return;
-    /* listed rows whose V rows fit in half of a 1 MB L2: pass 1 also prefetches the V row into L2, so that
-       pass 2 reads it from there (two rows in flight per row scored; the hardware cannot guess either) */
-    const int v_ahead = idx && N * D * 4 <= (1 << 19);
-    /* pass 1: scores, laid out g-major (sc[g * N + n]) so that the exp runs over one array */
+    /* listed rows (scattered: the hardware cannot guess them) are prefetched; those whose V rows fit in
+       half of a 1 MB L2 also have the V row fetched into L2 in pass 1, so that pass 2 reads it from there */
+    const int scattered = idx != 0, v_ahead = idx && N * D * 4 <= (1 << 19);
+    if (vec) {
+        scores_fn sfn;
+        wsum_fn wfn;
+        pick_passes(G, D, &sfn, &wfn);
+        sfn(qs, k, ks_s, v, vs_s, rows, N, bias, bs_s, sc, scattered, v_ahead, G, D);
+        for (int64_t g = 0; g < G; g++) l[g] = exp_sum(sc + g * N, N, max_of(sc + g * N, N));  /* skipped: 0 */
+        wfn(sc, v, vs_s, rows, N, l, out, os_h, scattered, G, D);
+        return;
+    }
+    /* scalar loops: a head dim that is not a multiple of VW lanes (or over MAX_D) */
     for (int64_t n = 0; n < N; n++) {
         int64_t pos = rows[n];
         if (pos < 0) { for (int64_t g = 0; g < G; g++) sc[g * N + n] = -FLT_MAX; continue; }
-        if (n + AHEAD < N && rows[n + AHEAD] >= 0) {
-            prefetch_row(k + rows[n + AHEAD] * ks_s, 4 * D);
-            if (v_ahead) prefetch_row_l2(v + rows[n + AHEAD] * vs_s, 4 * D);
-        }
         const float *kr = k + pos * ks_s;
         const float b = bias ? bias[pos * bs_s] : 0.f;
         for (int64_t g = 0; g < G; g++) {
-            float s;
-            if (vec) {
-                v16 acc = qv[g][0] * load16(kr);
-                for (int64_t c = 1; c < DV; c++) acc += qv[g][c] * load16(kr + 16 * c);
-                s = hsum16(acc);
-            } else {
-                s = 0.f;
-                for (int64_t d = 0; d < D; d++) s += q[g * qs_h + d] * kr[d];
-                s *= scale;
-            }
-            s += b;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; d++) s += q[g * qs_h + d] * kr[d];
+            s = s * scale + b;
             sc[g * N + n] = s;
             if (s > m[g]) m[g] = s;
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *s = sc + g * N, t = 0.f;
-        for (int64_t n = 0; n < N; n++) s[n] -= m[g];
-        exp_inplace(s, N);  /* skipped rows: exp(-FLT_MAX - m) = 0 */
-        for (int64_t n = 0; n < N; n++) t += s[n];
-        l[g] = t;
-    }
-    /* pass 2: the weighted sum of the V rows, each row read once for the group */
-    if (vec) {
-        v16 acc[16][16];
-        for (int64_t g = 0; g < G; g++) for (int64_t c = 0; c < DV; c++) acc[g][c] = (v16){0};
-        for (int64_t n = 0; n < N; n++) {
-            int64_t pos = rows[n];
-            if (pos < 0) continue;
-            if (n + AHEAD < N && rows[n + AHEAD] >= 0) prefetch_row(v + rows[n + AHEAD] * vs_s, 4 * D);
-            const float *vr = v + pos * vs_s;
-            for (int64_t c = 0; c < DV; c++) {
-                v16 x = load16(vr + 16 * c);
-                for (int64_t g = 0; g < G; g++) acc[g][c] += sc[g * N + n] * x;
-            }
-        }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t c = 0; c < DV; c++) store16(out + g * os_h + 16 * c, acc[g][c] * (1.f / l[g]));
-        return;
-    }
+    for (int64_t g = 0; g < G; g++) l[g] = exp_sum(sc + g * N, N, m[g]);
     for (int64_t n = 0; n < N; n++) {
         int64_t pos = rows[n];
         if (pos < 0) continue;

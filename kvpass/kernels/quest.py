@@ -26,7 +26,7 @@ import ctypes
 import torch
 
 from ._triton import require_triton, tl, triton
-from .native import VECTOR16
+from .native import VECTOR
 
 __all__ = [
     "quest_page_minmax_ref",
@@ -315,7 +315,7 @@ _TOP_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR16 + r"""
+""" + VECTOR + r"""
 
 typedef struct { float s; int64_t p; } cand_t;
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import require_triton, tl, triton
-from .native import VECTOR16
+from .native import VECTOR
 
 __all__ = [
     "QuantizedKV",
@@ -838,7 +838,7 @@ _CPU_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR16 + r"""
+""" + VECTOR + r"""
 /* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. No
    branches, so that a loop of them vectorises: a negative float's bits are flipped, a positive one's sign
    bit set. */
@@ -1162,15 +1162,7 @@ static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t
             const int sh = (int)((t % pk) * bk);
             for (int64_t d = 0; d < D; d++) code[d] = (float)((byte[d] >> sh) & mk);
             for (int64_t g = 0; g < G; g++) {
-                float x = 0.f;
-                if (D % 16 == 0) {  /* 16 lanes at a time: C does not reorder a float sum by itself */
-                    v16 acc = load16(w[g]) * load16(code);
-                    for (int64_t d = 16; d < D; d += 16) acc += load16(w[g] + d) * load16(code + d);
-                    x = hsum16(acc);
-                } else {
-                    for (int64_t d = 0; d < D; d++) x += w[g][d] * code[d];
-                }
-                x = (base[g] + x) * scale;
+                float x = (base[g] + dot(w[g], code, D)) * scale;
                 sc[g * N + t] = x;
                 if (x > m[g]) m[g] = x;
             }
