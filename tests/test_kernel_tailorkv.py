@@ -29,6 +29,7 @@ from kvpass.kernels.tailorkv import (
     quant_decode_attention_ref,
     quantize_pack,
     quantize_pack_ref,
+    tailor_append_cpu,
     tailor_select_cpu,
 )
 from strategies import (
@@ -773,3 +774,58 @@ def test_cosine_sum_cpu_equals_torch():
     b[1, 1] = 0.0  # a zero row: 0
     want = F.cosine_similarity(a, b, dim=-1).sum().item()
     assert abs(cosine_sum_cpu(a, b) - want) < 1e-5
+
+
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    t=st.integers(1, 3),
+    d=st.sampled_from([1, 8, 24]),
+    cap=st.integers(4, 12),
+    bf16=st.booleans(),
+    special=st.booleans(),  # NaN, infinities, -0 and values halfway between two bfloat16s
+    layout=st.sampled_from(["contiguous", "bthd"]),
+    seed=SEEDS,
+)
+def test_tailor_append_cpu_equals_torch_ops(b, h, t, d, cap, bf16, special, layout, seed):
+    """The fused decode append writes what the torch ops it replaces write: the rows, the channel-major
+    keys (bfloat16 rounded as torch rounds) and the running max of |k| (NaN spreading as torch.maximum)."""
+    if not cpu_select_available():
+        pytest.skip("the TailorKV C library is not built here (no C compiler)")
+    gen = torch.Generator().manual_seed(seed)
+    at = int(torch.randint(0, cap - t + 1, (1,), generator=gen))
+    k_new = torch.randn(b, h, t, d, generator=gen)
+    if special:
+        pool = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0,
+                             1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8)])  # ties round to even
+        pick = torch.rand(b, h, t, d, generator=gen) < 0.3
+        k_new = torch.where(pick, pool[torch.randint(0, len(pool), (b, h, t, d), generator=gen)], k_new)
+    if layout == "bthd":  # a view of (B, T, H, D), as the graph's projections give it
+        k_new = k_new.transpose(1, 2).contiguous().transpose(1, 2)
+    v_new = torch.randn(b, h, t, d, generator=gen)
+    k, v = torch.randn(b, h, cap, d, generator=gen), torch.randn(b, h, cap, d, generator=gen)
+    kT = torch.randn(b, h, d, cap, generator=gen).to(torch.bfloat16 if bf16 else torch.float32)
+    kabs = torch.rand(b, h, d, generator=gen)
+    kabs[..., :1] = float("nan") if special else kabs[..., :1]
+    want = [x.clone() for x in (k, v, kT, kabs)]
+    want[0][:, :, at : at + t] = k_new
+    want[1][:, :, at : at + t] = v_new
+    want[2][:, :, :, at : at + t] = k_new.transpose(2, 3)
+    torch.maximum(want[3], k_new.abs().amax(2), out=want[3])
+    assert tailor_append_cpu(k_new, v_new, k, v, kT, kabs, at)
+    for got, exp in zip((k, v, kT, kabs), want):
+        assert torch.equal(got.isnan(), exp.isnan())
+        assert torch.equal(torch.nan_to_num(got.float(), nan=7.0), torch.nan_to_num(exp.float(), nan=7.0))
+
+
+def test_tailor_append_cpu_refuses_what_it_cannot_serve():
+    if not cpu_select_available():
+        pytest.skip("the TailorKV C library is not built here (no C compiler)")
+    k_new = torch.randn(1, 2, 1, 8)
+    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    kT, kabs = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16), torch.zeros(1, 2, 8)
+    before = [x.clone() for x in (k, v, kT, kabs)]
+    assert not tailor_append_cpu(k_new.double(), k_new.double(), k, v, kT, kabs, 0)  # not fp32
+    assert not tailor_append_cpu(k_new, k_new, k, v, kT, kabs, 4)  # past the capacity
+    assert not tailor_append_cpu(k_new, k_new, k, v, kT.half(), kabs, 0)  # a channel dtype it does not write
+    assert all(torch.equal(x, y) for x, y in zip((k, v, kT, kabs), before))

@@ -1248,6 +1248,44 @@ int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
     return 0;
 }
 
+/* fp32 -> bfloat16 bits, rounded to nearest even (torch's conversion); NaN -> a quiet NaN */
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A sparse layer's decode append in one call instead of five ops: the T new rows of kn, vn (B, H, T, D)
+   into k, v (B, H, cap, D) at [at, at + T), the keys into the channel-major kt (B, H, D, cap; bfloat16
+   when kt_bf16, else fp32) and kabs (B, H, D) = max(kabs, |kn|) over the new rows (NaN spreads, as
+   torch.maximum). */
+int kvpass_tailor_append(const float *kn, int64_t kn_b, int64_t kn_h, int64_t kn_t,
+                         const float *vn, int64_t vn_b, int64_t vn_h, int64_t vn_t,
+                         float *k, int64_t k_b, int64_t k_h, int64_t k_s,
+                         float *v, int64_t v_b, int64_t v_h, int64_t v_s,
+                         void *kt, int64_t kt_bf16, int64_t t_b, int64_t t_h, int64_t t_d,
+                         float *kabs, int64_t a_b, int64_t a_h,
+                         int64_t B, int64_t H, int64_t T, int64_t D, int64_t at) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            float *ka = kabs + b * a_b + h * a_h;
+            for (int64_t t = 0; t < T; t++) {
+                const float *kr = kn + b * kn_b + h * kn_h + t * kn_t, *vr = vn + b * vn_b + h * vn_h + t * vn_t;
+                memcpy(k + b * k_b + h * k_h + (at + t) * k_s, kr, sizeof(float) * D);
+                memcpy(v + b * v_b + h * v_h + (at + t) * v_s, vr, sizeof(float) * D);
+                for (int64_t d = 0; d < D; d++) {
+                    const int64_t o = b * t_b + h * t_h + d * t_d + at + t;
+                    if (kt_bf16) ((uint16_t *)kt)[o] = f2bf(kr[d]);
+                    else ((float *)kt)[o] = kr[d];
+                    const float x = fabsf(kr[d]), m = ka[d];
+                    ka[d] = (x != x || m != m) ? NAN : (x > m ? x : m);
+                }
+            }
+        }
+    return 0;
+}
+
 /* sum over rows of cos(a_r, b_r), rows (B, H) of D floats: torch's cosine_similarity (eps 1e-8). */
 double kvpass_cosine_sum(const float *a, int64_t as_b, int64_t as_h, const float *b, int64_t bs_b, int64_t bs_h,
                          int64_t B, int64_t H, int64_t D) {
@@ -1268,6 +1306,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _CHANNELS_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I]
 _SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I] + [_I] * 10
 _COSINE_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I]
+_APPEND_ARGTYPES = [_P, _I, _I, _I] * 4 + [_P, _I, _I, _I, _I, _P, _I, _I] + [_I] * 5
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
 
@@ -1416,6 +1455,29 @@ def quant_decode_attention_cpu(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res
     if rc != 0:
         raise MemoryError(f"kvpass: {who} could not allocate its scratch (rc={rc})")
     return out
+
+
+def tailor_append_cpu(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kT: torch.Tensor, kabs: torch.Tensor, at: int) -> bool:
+    """A sparse layer's decode append in one C call: ``k_new, v_new (B, H, T, D)`` into the host tier
+    ``k, v (B, H, cap, D)`` at ``[at, at + T)``, the keys into the channel-major ``kT (B, H, D, cap)``
+    (bfloat16, rounded as torch rounds, or fp32) and ``kabs (B, H, D) = max(kabs, |k_new|)`` over the new
+    tokens, in place. fp32 CPU tensors with contiguous last dims (kT: its last dim); returns False, having
+    written nothing, where these operands do not qualify or the C library is not built (the caller then
+    runs its torch ops)."""
+    fn = _cpu_fn("kvpass_tailor_append", _APPEND_ARGTYPES)
+    b, h, t, d = k_new.shape
+    if (fn is None or t == 0 or not all(_plain_cpu(x, torch.float32) for x in (k_new, v_new, k, v, kabs))
+            or not _plain_cpu(kT, kT.dtype) or kT.dtype not in (torch.bfloat16, torch.float32)
+            or tuple(v_new.shape) != (b, h, t, d) or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:2]) != (b, h)
+            or k.shape[3] != d or v.shape[3] != d or tuple(kT.shape[:3]) != (b, h, d)
+            or tuple(kabs.shape) != (b, h, d) or at < 0 or at + t > min(k.shape[2], v.shape[2], kT.shape[3])):
+        return False
+    fn(k_new.data_ptr(), *k_new.stride()[:3], v_new.data_ptr(), *v_new.stride()[:3],
+       k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
+       kT.data_ptr(), int(kT.dtype == torch.bfloat16), *kT.stride()[:3], kabs.data_ptr(), *kabs.stride()[:2],
+       b, h, t, d, at)
+    return True
 
 
 def cosine_sum_cpu(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -599,8 +599,7 @@ class TailorState(SiteState):
         from kvpass.kernels import cpu_decode
 
         with _range("kvpass.bookkeeping"):
-            self._host_append(k_new, v_new)
-            torch.maximum(self.kabs, k_new[:, :, 0].abs(), out=self.kabs)
+            self._host_append(k_new, v_new, kabs=True)
         if self.plan is None or self.listed is None:
             raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
                               "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
@@ -614,18 +613,26 @@ class TailorState(SiteState):
         with _range("kvpass.attend"):
             return cpu_decode.cpu_decode_attention(q[:, :, 0], st.k, st.v, idx, scale).unsqueeze(2)
 
-    def _host_append(self, k_new, v_new) -> None:
+    def _host_append(self, k_new, v_new, kabs: bool = False) -> None:
+        """The new tokens into the host tier and the channel-major keys; with ``kabs``, also the running
+        max of |k| (fp32 here: the in-C path). One C call where the operands allow (a decode step's five
+        ops otherwise)."""
+        from kvpass.kernels.tailorkv import tailor_append_cpu
+
         st = self.store
         end = st.length + k_new.shape[2]
         st._reserve(k_new, v_new, end)
-        st.k[:, :, st.length : end] = k_new
-        st.v[:, :, st.length : end] = v_new
         if self.kT.shape[3] < end:
             kT = host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
             kT[..., : st.length] = self.kT[..., : st.length]
             kT[..., st.length :].zero_()
             self.kT = kT
-        self.kT[:, :, :, st.length : end] = k_new.transpose(2, 3)
+        if not (kabs and tailor_append_cpu(k_new, v_new, st.k, st.v, self.kT, self.kabs, st.length)):
+            st.k[:, :, st.length : end] = k_new
+            st.v[:, :, st.length : end] = v_new
+            self.kT[:, :, :, st.length : end] = k_new.transpose(2, 3)
+            if kabs:
+                torch.maximum(self.kabs, k_new.abs().amax(2), out=self.kabs)
         st.length = end
 
     def _selection(self, call) -> torch.Tensor:
