@@ -296,9 +296,9 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
         const float *kr = k + pos * ks_s;
         const float b = bias ? bias[pos * bs_s] : 0.f;
         for (int64_t g = 0; g < G; g++) {
-            float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += q[g * qs_h + d] * kr[d];
-            s = s * scale + b;
+            double acc = 0.0;  /* one chain of D adds: in double, or large scores lose their last digits */
+            for (int64_t d = 0; d < D; d++) acc += (double)q[g * qs_h + d] * kr[d];
+            float s = (float)(acc * scale) + b;
             sc[g * N + n] = s;
             if (s > m[g]) m[g] = s;
         }
