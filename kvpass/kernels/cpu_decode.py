@@ -114,24 +114,11 @@ static inline void prefetch_row_l2(const float *r, int64_t bytes) {
    12 of the machine's 16 or 32), CB a power of two that divides DV */
 #define CB_OF(G, DV) ((G) <= 1 && (DV) % 8 == 0 ? 8 : (G) <= 3 && (DV) % 4 == 0 ? 4 : (G) <= 6 && (DV) % 2 == 0 ? 2 : 1)
 
-/* the VW lanes of x summed down to 4, in hsumv's order */
-static inline v4 fold4(vf x) {
-#if VW == 16
-    typedef float v8 __attribute__((vector_size(32)));
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#elif VW == 8
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
-#else
-    return x;
-#endif
-}
-
 /* Pass 1 of the vector path: sc[g * N + n] = q_g . k_row + bias (-FLT_MAX for a skipped row, rows[n] < 0),
-   the G queries pre-scaled in qs (g-major). Four rows at a time: their four sums of one query finish in
-   one vector (a horizontal sum per row and query cost more than the products). Inlined with constant G
-   and D (pick_passes below), the loops unroll and the sums stay in registers. */
+   the G queries pre-scaled in qs (g-major). Four rows at a time: their sums of one query, each folded to 4
+   lanes (fold4), finish in one vector in hsumv's order (a horizontal sum per row and query cost more than
+   the products). Inlined with constant G and D (pick_passes below), the loops unroll and the sums stay in
+   registers. */
 static inline __attribute__((always_inline)) void scores_body(
         const float *restrict qs, const float *restrict k, int64_t ks_s, const float *restrict v, int64_t vs_s,
         const int64_t *restrict rows, int64_t N, const float *restrict bias, int64_t bs_s, float *restrict sc,

@@ -47,17 +47,21 @@ typedef int32_t vi __attribute__((vector_size(4 * VW)));
 typedef float v4 __attribute__((vector_size(16)));
 static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
-static inline float hsumv(vf x) {
+/* the VW lanes of x summed down to 4 (lane i + lane i + 4 + ...), then to one */
+static inline v4 fold4(vf x) {
 #if VW == 16
     typedef float v8 __attribute__((vector_size(32)));
     v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
          + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
 #elif VW == 8
-    v4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
 #else
-    v4 b = x;
+    return x;
 #endif
+}
+static inline float hsumv(vf x) {
+    v4 b = fold4(x);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 /* sum of r[d] * m[d] over n values: VW lanes at a time (n % VW == 0), else one at a time (a scalar sum
