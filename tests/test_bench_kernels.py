@@ -81,3 +81,24 @@ def test_cpu_paths_compare_each_c_kernel_with_the_torch_path_it_replaces():
         assert r["impl"] == "C" and r["baseline"] == base and r["ms"] > 0 and r["baseline_ms"] > 0
         assert r["bytes"] > 0 and r["speedup"] == r["baseline_ms"] / r["ms"]
     assert "attend_listed" in format_table(rows)
+
+
+def test_site_ops_time_steady_compressed_steps_of_every_policy():
+    # a bench row is only worth its figure if the steps it timed were steady (no event) and compressed
+    # (each policy attended what its budget allows, not the whole cache)
+    from kvpass.bench.kernels import benchmark_site_ops
+
+    pols = "Full,StreamingLLM(budget=256),Quest(budget=256),ClusterKV(budget=256),CentroidKV(cache_ratio=0.25),TailorKV"
+    rows = benchmark_site_ops(pols, contexts=(1024,), sites=3, steps=4)
+    assert [r["policy"].split("(")[0] for r in rows] == ["Full", "StreamingLLM", "Quest", "ClusterKV", "CentroidKV",
+                                                         "TailorKV"]
+    full = rows[0]
+    assert full["extra_us"] == 0 and full["baseline_us"] == full["us_per_site"] > 0
+    assert full["attended"] == 1024 + 3 + 4  # the prefill, the 3 untimed steps and the timed ones
+    for r in rows:
+        assert r["events"] == 0 and r["us_per_site"] > 0 and r["extra_us"] == r["us_per_site"] - full["us_per_site"]
+    # 3 sites: ClusterKV's dense layers 0 and 1 attend everything, site 2 its budget
+    budgets = {"StreamingLLM": 256, "Quest": 256, "ClusterKV": (2 * 1031 + 256) / 3, "CentroidKV": 1031 * 0.3,
+               "TailorKV": 1024}
+    for r in rows[1:]:
+        assert 0 < r["attended"] <= budgets[r["policy"].split("(")[0]], r

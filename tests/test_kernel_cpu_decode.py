@@ -155,6 +155,42 @@ def test_native_off_keeps_the_torch_path():
     torch.testing.assert_close(off, cpu_decode_attention(q, k, v, i, 0.1), atol=2e-5, rtol=1e-5)
 
 
+@given(b=st.integers(1, 2), h_kv=st.integers(1, 3), g=st.sampled_from([1, 3, 16]), d=st.sampled_from([12, 64]),
+       cap=st.integers(1, 40), cut=st.integers(1, 40), n=st.integers(0, 30), listed=st.booleans(),
+       bias=st.booleans(), seed=SEEDS)
+def test_decode_step_attends_the_first_length_rows_in_place(b, h_kv, g, d, cap, cut, n, listed, bias, seed):
+    # the runtime's steady entry reads a store's buffers in place: positions [length, cap) hold other data
+    # (here NaN), never read; a listed position at or past length is skipped, as past S in the kernel
+    torch.manual_seed(seed)
+    length = min(max(cut, 1), cap)
+    q = torch.randn(b, h_kv * g, 1, d)
+    k, v = torch.randn(b, h_kv, cap, d), torch.randn(b, h_kv, cap, d)
+    k[:, :, length:] = float("nan")
+    v[:, :, length:] = float("nan")
+    idx = torch.randint(-2, cap + 2, (b, h_kv, n)) if listed else None
+    # a log-degree-like bias over the whole buffer (-inf: a slot to skip), NaN past length
+    bb = torch.randn(b, h_kv, cap).masked_fill(torch.rand(b, h_kv, cap) < 0.2, float("-inf")) if bias else None
+    if bias:
+        bb[:, :, length:] = float("nan")
+    out = cpu_decode.decode_step(q, k, v, length, idx, 0.3, bb)
+    want = cpu_decode_attention_ref(q[:, :, 0], k[:, :, :length], v[:, :, :length], idx, 0.3,
+                                    None if bb is None else bb[:, :, :length])
+    assert out.shape == (b, h_kv * g, 1, d)
+    torch.testing.assert_close(out[:, :, 0], want, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_step_returns_none_where_it_does_not_serve():
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
+    assert cpu_decode.decode_step(q, k, v, 4, None, 0.1) is not None
+    assert cpu_decode.decode_step(q.half(), k.half(), v.half(), 4, None, 0.1) is None
+    assert cpu_decode.decode_step(torch.randn(1, 2, 2, 16), k, v, 4, None, 0.1) is None  # two queries
+    assert cpu_decode.decode_step(q, k, v, 5, None, 0.1) is None  # past the buffers
+    assert cpu_decode.decode_step(q, make_strided(k, "d_strided"), v, 4, None, 0.1) is None
+    assert cpu_decode.decode_step(q, k, v, 4, torch.zeros(1, 1, 2, dtype=torch.int32), 0.1) is None
+    assert cpu_decode.decode_step(q, k, v, 4, None, 0.1, torch.zeros(1, 1, 3)) is None  # bias shorter than length
+    assert cpu_decode.decode_step(q, k, v, 4, None, 0.1, torch.zeros(1, 1, 4, dtype=torch.float64)) is None
+
+
 def test_a_cache_stub_is_refused_not_read():
     # the kernel reads memory past __torch_function__: a stub must take the torch path, which raises
     from kvpass.kernels.sparse_attention import sparse_decode_attention_ref

@@ -567,6 +567,92 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     return rows
 
 
+SITE_OPS_POLICIES = ("Full,StreamingLLM(budget=1024),Quest(budget=1024),ClusterKV(budget=1024),"
+                     "CentroidKV(cache_ratio=0.25),TailorKV")
+
+
+def benchmark_site_ops(policies: str = SITE_OPS_POLICIES, contexts: tuple[int, ...] = (1024, 8192), sites: int = 30,
+                       steps: int = 40, quick: bool = False, seed: int = 0) -> list[dict]:
+    """What a steady decode step costs in the runtime's ops, outside any model: ``sites`` attention sites of
+    SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, batch 1), each prefilled with ``context``
+    fp32 keys and values through ``kvpass::attention_owned``, then ``steps`` decode steps timed that call
+    each site's ops as a compiled graph does (``kvpass::prefetch`` and ``kvpass::fetch`` where the policy
+    has them, with the true query for the estimate; ``kvpass::attention_owned``; two ``kvpass::cache_stub``),
+    one site after the other.
+
+    The keys are not a model's: each is a moving average of 64 random vectors along the sequence plus
+    noise, so that nearby tokens resemble each other and clusters are runs of positions, as a model's
+    keys make them (independent random keys would scatter every cluster over the cache). A selection's
+    quality is not measured here, only its cost.
+
+    Rows: ``kernel`` "site_ops", ``us_per_site`` the median step over ``sites``; ``baseline_us`` is Full's
+    at the smallest context (F of the floor: what attending about that many tokens costs), ``extra_us``
+    the difference: a policy's own work at a site (selection, Python, attention over what it selected)
+    where its budget is that context. ``events``: scheduled events (clustering, merges, flushes) during
+    the timed steps; 0 for a steady step. ``attended``: the tokens the last step attended, the mean over
+    the sites (``SiteState.tokens_attended``)."""
+    import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops)
+    from kvpass.bench.decode_cost import parse_policies
+    from kvpass.runtime.state import Runtime
+
+    ops = torch.ops.kvpass
+    if quick:
+        contexts, steps = tuple(c for c in contexts if c <= 1024) or contexts[:1], 8
+    contexts = tuple(sorted(contexts))
+    rows: list[dict] = []
+    g = torch.Generator().manual_seed(seed)
+
+    def keys(n):
+        walk = torch.randn(1, 3, n + 64, 64, generator=g).cumsum(2)
+        return (walk[:, :, 64:] - walk[:, :, :-64]) / 8 + 0.5 * torch.randn(1, 3, n, 64, generator=g)
+
+    full_us = None
+    with torch.no_grad():
+        for ctx in contexts:
+            kv = [(keys(ctx), torch.randn(1, 3, ctx, 64, generator=g)) for _ in range(sites)]
+            q_pre = torch.randn(1, 9, ctx, 64, generator=g)
+            qs = [torch.randn(1, 9, 1, 64, generator=g) for _ in range(sites)]
+            new = [(kv[s][0][:, :, -1:].clone(), torch.randn(1, 3, 1, 64, generator=g)) for s in range(sites)]
+            for policy in parse_policies(policies):
+                rt = Runtime(policy)
+                h = rt.handle
+                stubs = []
+                for s, (k, v) in enumerate(kv):
+                    ops.attention_owned(q_pre, k, v, None, None, None, 0.125, True, h, s)
+                    stubs.append((ops.cache_stub(k, None, h, s), ops.cache_stub(v, None, h, s)))
+
+                def step():
+                    for s in range(sites):
+                        sk, sv = stubs[s]
+                        q, (k1, v1) = qs[s], new[s]
+                        ticket = None
+                        if policy.fetches:
+                            after = ops.prefetch(q, sk, h, s, False) if policy.prefetches else None
+                            ticket = ops.fetch(q, sk, h, s, after)
+                        ops.attention_owned(q, k1, v1, sk, sv, None, 0.125, False, h, s, ticket)
+                        stubs[s] = (ops.cache_stub(k1, sk, h, s), ops.cache_stub(v1, sv, h, s))
+
+                for _ in range(3):
+                    step()
+                events = sum(st.all_events() for st in rt.sites.values())
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t0)
+                events = sum(st.all_events() for st in rt.sites.values()) - events
+                us = 1e6 * statistics.median(times) / sites
+                if full_us is None and policy.name == "Full":
+                    full_us = us
+                base = full_us if full_us is not None else float("nan")
+                attended = statistics.mean(st.tokens_attended() for st in rt.sites.values())
+                rows.append(dict(kernel="site_ops", policy=policy.describe(), context=ctx, sites=sites, steps=steps,
+                                 us_per_site=us, baseline=f"Full at {contexts[0]}", baseline_us=base,
+                                 extra_us=us - base, events=events, attended=attended))
+                del rt
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     cols = ["kernel", "shape", "S", "N", "dtype", "impl", "ms", "baseline", "baseline_ms", "speedup",
             "gbps", "baseline_gbps"]
@@ -592,9 +678,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU threads (default: torch's); 1 is steadier on a machine shared with other jobs")
     ap.add_argument("--cpu-paths", action="store_true",
                     help="instead: each C kernel against the torch code it replaces on CPU (benchmark_cpu_paths)")
+    ap.add_argument("--site-ops", action="store_true",
+                    help="instead: a steady decode step's runtime ops per attention site, each policy against "
+                         "Full, outside any model (benchmark_site_ops)")
+    ap.add_argument("--policies", default=SITE_OPS_POLICIES, help="with --site-ops: the policies (Full first)")
+    ap.add_argument("--contexts", default="1024,8192", help="with --site-ops: comma-separated contexts")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.site_ops:
+        ctxs = tuple(int(c) for c in args.contexts.split(","))
+        rows = benchmark_site_ops(args.policies, ctxs, quick=args.quick)
+        print(f"kvpass runtime ops of a steady decode step, us per site ({torch.get_num_threads()} threads, 30 sites of "
+              "SmolLM2's shape, batch 1, keys that drift along the sequence; median of the timed steps; extra: over Full at "
+              "the smallest context)")
+        cols = ["policy", "context", "attended", "us_per_site", "baseline_us", "extra_us", "events"]
+        table = [cols] + [[r["policy"][:48], str(r["context"]), f"{r['attended']:.0f}", f"{r['us_per_site']:.0f}",
+                           f"{r['baseline_us']:.0f}", f"{r['extra_us']:+.0f}", str(r["events"])] for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        print("\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table))
+        return 0
     if args.cpu_paths:
         rows = benchmark_cpu_paths(quick=args.quick)
         print(f"kvpass C kernels against the torch paths they replace ({torch.get_num_threads()} threads, fp32, "

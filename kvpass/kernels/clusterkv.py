@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from ._triton import interpreting, require_triton, tl, triton
 from .native import VECTOR
 
@@ -821,8 +822,6 @@ _CLUSTER_SELECT_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c
 
 
 def _cluster_select_lib():
-    from kvpass.kernels import native
-
     return native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select", _CLUSTER_SELECT_ARGTYPES)
 
 
@@ -921,33 +920,38 @@ def cluster_select_cpu(
     """:func:`cluster_select_torch` in one C call (CPU, fp32 q and centroids with contiguous last dims,
     int64 metadata): the scores, the ranking and the list of a site's step without a dozen small torch
     ops. The same list up to the rounding of the scores (the C dot products add in another order than
-    BLAS: a near-tie between two clusters may rank the other way)."""
+    BLAS: a near-tie between two clusters may rank the other way). ``q (B, H_q, D)``, or ``(B, H_q, 1,
+    D)`` as a decode step's attention receives it."""
     fn = _cluster_select_lib()
-    b, h_q, d = q.shape
-    bb, h, c, dc = centroids.shape
-    ok = (fn is not None and q.device.type == centroids.device.type == "cpu" and q.dtype == centroids.dtype
-          == torch.float32 and bb == b and dc == d and h_q % h == 0 and q.stride(2) == 1
-          and centroids.stride(3) == 1 and gqa in ("sum", "max")
-          and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in (sizes, offsets, order))
-          and tuple(sizes.shape) == (b, h, c) and tuple(offsets.shape) == (b, h, c + 1)
-          and tuple(order.shape[:2]) == (b, h) and width >= 0)
+    qs, cs = q.shape, centroids.shape
+    b, h_q, d = qs[0], qs[1], qs[-1]
+    bb, h, c, dc = cs
+    # at every site of every decode step: is_cpu and one read of each shape (a .device costs a microsecond)
+    ok = (fn is not None and type(q) is torch.Tensor and type(centroids) is torch.Tensor and q.is_cpu
+          and centroids.is_cpu and (q.dim() == 3 or (q.dim() == 4 and qs[2] == 1))
+          and q.dtype == torch.float32 and centroids.dtype == torch.float32 and bb == b and dc == d and h > 0
+          and h_q % h == 0 and q.stride(-1) == 1 and centroids.stride(3) == 1 and gqa in ("sum", "max")
+          and all(t.dtype == torch.int64 and t.is_cpu for t in (sizes, offsets, order))
+          and sizes.shape == (b, h, c) and offsets.shape == (b, h, c + 1) and order.shape[:2] == (b, h)
+          and width >= 0)
     if first is not None:
-        ok = ok and first.dtype == torch.int64 and first.device.type == "cpu" and first.dim() == 1 and (
+        ok = ok and first.dtype == torch.int64 and first.is_cpu and first.dim() == 1 and (
             first.shape[0] in (1, b))
     if not ok:
         raise ValueError(
             "kvpass: cluster_select_cpu needs fp32 CPU q (B, H_q, D) and centroids (B, H, C, D) with contiguous "
             "last dims, int64 sizes (B, H, C), offsets (B, H, C + 1), order (B, H, N), first (B,) or (1,), gqa "
-            f"'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} {q.dtype}, centroids "
-            f"{tuple(centroids.shape)} {centroids.dtype}, sizes {tuple(sizes.shape)}, offsets "
-            f"{tuple(offsets.shape)}, order {tuple(order.shape)}, gqa={gqa!r}")
+            f"'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} "
+            f"{q.dtype}, centroids {tuple(centroids.shape)} {centroids.dtype}, sizes {tuple(sizes.shape)}, "
+            f"offsets {tuple(offsets.shape)}, order {tuple(order.shape)}, gqa={gqa!r}")
     out = torch.empty((b, h, width), dtype=torch.int64)
     if out.numel() == 0:
         return out
     ft = 0 if first is None or first.shape[0] == 1 else first.stride(0)
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), centroids.data_ptr(), *centroids.stride()[:3],
-            sizes.data_ptr(), *sizes.stride(), offsets.data_ptr(), *offsets.stride(), order.data_ptr(),
-            *order.stride(), None if first is None else first.data_ptr(), ft, out.data_ptr(), *out.stride()[:2],
+    cst, sst, ost, rst, xst = centroids.stride(), sizes.stride(), offsets.stride(), order.stride(), out.stride()
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), centroids.data_ptr(), cst[0], cst[1], cst[2],
+            sizes.data_ptr(), sst[0], sst[1], sst[2], offsets.data_ptr(), ost[0], ost[1], ost[2], order.data_ptr(),
+            rst[0], rst[1], rst[2], None if first is None else first.data_ptr(), ft, out.data_ptr(), xst[0], xst[1],
             b, h, h_q // h, d, c, order.shape[2], length, n_sinks, cluster_budget, n_recent, cover, width,
             int(gqa == "max"))
     if rc != 0:

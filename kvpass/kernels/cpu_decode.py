@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from . import native
 from .native import VECTOR
 
 __all__ = ["available", "cpu_decode_attention", "cpu_decode_attention_ref"]
@@ -394,8 +395,6 @@ _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _
 
 def _load():
     """The kernel's ctypes function (:func:`kvpass.kernels.native.function`), or None."""
-    from kvpass.kernels import native
-
     return native.function("decode_attention", _SOURCE, "kvpass_decode_attention", _ARGTYPES)
 
 
@@ -409,16 +408,61 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     is contiguous, a query group of at most 16, v's head dim equal to k's). A tensor subclass is never
     served: the kernel reads memory directly, past any ``__torch_function__`` (a kvpass cache stub must
     reach torch code, which refuses it loudly)."""
-    return (
-        type(q) is type(k) is type(v) is torch.Tensor
-        and q.device.type == k.device.type == v.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.float32
-        and q.dim() == 3 and k.dim() == 4 and v.dim() == 4
-        and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] <= _MAX_GROUP
-        and v.shape[:3] == k.shape[:3] and v.shape[3] == k.shape[3] == q.shape[2]
-        and q.stride(2) == 1 and k.stride(3) == 1 and v.stride(3) == 1
-        and available()
-    )
+    return q.dim() == 3 and _serves(q, k, v)
+
+
+def _serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """:func:`supports` but for q's dimensions: B and H_q are its first two, D its last. Runs at every site
+    of every decode step, hence ``is_cpu`` and one read of each shape (a ``.device`` costs a microsecond)."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and q.is_cpu and k.is_cpu and v.is_cpu
+            and q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+            and k.dim() == 4 and v.dim() == 4 and q.stride(-1) == 1 and k.stride(3) == 1 and v.stride(3) == 1):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    h = ks[1]
+    return (h > 0 and qs[1] % h == 0 and qs[1] // h <= _MAX_GROUP and vs[0] == ks[0] and vs[1] == h
+            and vs[2] == ks[2] and vs[3] == ks[3] == qs[-1] and _load() is not None)
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, idx: torch.Tensor | None,
+                scale: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A runtime decode step's attention, ``(B, H_q, 1, D)``, or None where the kernel does not serve the
+    operands (the caller takes its torch path). ``q (B, H_q, 1, D)`` as the attention op receives it;
+    ``k, v (B, H_kv, S', D)`` with ``S' >= length``, of which positions ``[0, length)`` are attended (a
+    store's buffers, read in place: no sliced view per step); ``idx (B, H_kv, N)`` int64 lists the
+    positions (None: all); ``bias (B, H_kv, S'')`` fp32 with ``S'' >= length`` is added to the scores
+    (CentroidKV's log degree, kept beside its buffers). :func:`cpu_decode_attention` without the views it
+    would need (each costs microseconds, at 30 sites a step)."""
+    if not (q.dim() == 4 and q.shape[2] == 1 and _serves(q, k, v) and 0 <= length <= k.shape[2]):
+        return None
+    if bias is not None:
+        bs = bias.shape
+        if not (type(bias) is torch.Tensor and bias.is_cpu and bias.dtype == torch.float32 and bias.dim() == 3
+                and bs[0] == k.shape[0] and bs[1] == k.shape[1] and bs[2] >= length):
+            return None
+        bstr, bptr = bias.stride(), bias.data_ptr()
+    else:
+        bstr, bptr = (0, 0, 0), None
+    qs = q.shape
+    b, h_q, d = qs[0], qs[1], qs[3]
+    h_kv = k.shape[1]
+    out = q.new_empty(qs)
+    if idx is not None:
+        if not (idx.dtype == torch.int64 and idx.dim() == 3 and idx.shape[0] == b and idx.shape[1] == h_kv):
+            return None
+        n, istr, iptr = idx.shape[2], idx.stride(), idx.data_ptr()
+    else:
+        n, istr, iptr = length, (0, 0, 0), None
+    if b * h_q == 0:
+        return out
+    ks, vs, qst, ost = k.stride(), v.stride(), q.stride(), out.stride()
+    rc = _load()(q.data_ptr(), qst[0], qst[1], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
+                 iptr, *istr, bptr, *bstr, out.data_ptr(), ost[0], ost[1],
+                 b, h_kv, h_q // h_kv, length, n, d, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"kvpass: cpu_decode_attention could not allocate its scratch (rc={rc})")
+    return out
 
 
 def cpu_decode_attention(

@@ -25,6 +25,7 @@ import ctypes
 
 import torch
 
+from . import native
 from ._triton import require_triton, tl, triton
 from .native import VECTOR
 
@@ -482,8 +483,6 @@ _TOP_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + 
 
 
 def _top_lib():
-    from kvpass.kernels import native
-
     return native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select", _TOP_ARGTYPES)
 
 
@@ -493,12 +492,13 @@ def quest_top_pages_cpu_available() -> bool:
 
 
 def _check_select_args(name, fn, q, meta, scored, n, gqa) -> None:
-    B, H_q, D = q.shape
-    H = meta.shape[1]
-    ok = (fn is not None and q.device.type == meta.device.type == "cpu"
-          and q.dtype == meta.dtype == torch.float32 and meta.dim() == 4 and meta.shape[0] == B
-          and meta.shape[3] == 2 * D and H_q % H == 0 and meta.shape[2] > scored >= 0 and n >= 0
-          and q.stride(2) == 1 and meta.stride(3) == 1 and gqa in ("sum", "max"))
+    # at every site of every decode step: is_cpu and one read of each shape (a .device costs a microsecond)
+    qs, ms = q.shape, meta.shape
+    ok = (fn is not None and type(q) is torch.Tensor and type(meta) is torch.Tensor and q.is_cpu and meta.is_cpu
+          and q.dtype == torch.float32 and meta.dtype == torch.float32 and meta.dim() == 4
+          and (q.dim() == 3 or (q.dim() == 4 and qs[2] == 1)) and ms[0] == qs[0] and ms[3] == 2 * qs[-1]
+          and ms[1] > 0 and qs[1] % ms[1] == 0 and ms[2] > scored >= 0 and n >= 0
+          and q.stride(-1) == 1 and meta.stride(3) == 1 and gqa in ("sum", "max"))
     if not ok:
         raise ValueError(
             f"kvpass: {name} needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) "
@@ -543,8 +543,9 @@ def quest_select_cpu(
     every ``f_b`` is 0), cut into its own pages of ``page_size`` from ``f_b``, so its pages are the ones
     the prompt alone has. The newest page is always taken; of the others the row takes all where its
     ``length - f_b`` tokens fit in ``budget`` (alone it attends them all), else the top ``n`` by the
-    query group's bound (ties to the lower page). ``meta (B, H_kv, P_cap, 2D)`` holds each row's pages
-    from its page 0; ``P_cap >= ceil(length / page_size)``. ``width``: the most top pages a row takes.
+    query group's bound (ties to the lower page). ``q (B, H_q, D)``, or ``(B, H_q, 1, D)`` as a decode
+    step's attention receives it; ``meta (B, H_kv, P_cap, 2D)`` holds each row's pages from its page 0;
+    ``P_cap >= ceil(length / page_size)``. ``width``: the most top pages a row takes.
 
     Returns ``pages (B, H_kv, width + 1)``, each row's top pages ascending, then its newest, then -1,
     and ``idx (B, H_kv, (width + 1) * page_size)``, their token positions in the cache (-1 past
@@ -557,14 +558,15 @@ def quest_select_cpu(
     fn = _top_lib()
     pmax = -(-length // page_size)
     _check_select_args("quest_select_cpu", fn, q, meta, max(pmax - 1, 0), n, gqa)
-    B, H_q, D = q.shape
+    qs = q.shape
+    B, H_q, D = qs[0], qs[1], qs[-1]
     H = meta.shape[1]
-    if k_new is not None and not (k_new.dtype == torch.float32 and k_new.device.type == "cpu"
+    if k_new is not None and not (type(k_new) is torch.Tensor and k_new.dtype == torch.float32 and k_new.is_cpu
                                   and k_new.shape == (B, H, D) and k_new.stride(2) == 1):
         quest_fold_key_(meta, k_new, first, length, page_size)
         k_new = None
     if first is not None:
-        if not (first.dtype == torch.int64 and first.device.type == "cpu" and first.dim() == 1
+        if not (first.dtype == torch.int64 and first.is_cpu and first.dim() == 1
                 and first.shape[0] in (1, B)):
             raise ValueError(f"kvpass: quest_select_cpu needs first (B,) or (1,) int64 on CPU, got "
                              f"{tuple(first.shape)} {first.dtype}")
@@ -572,9 +574,10 @@ def quest_select_cpu(
     idx = torch.empty((B, H, (width + 1) * page_size), dtype=torch.int64)
     fs = 0 if first is None or first.shape[0] == 1 else first.stride(0)
     ks = (None, 0, 0) if k_new is None else (k_new.data_ptr(), k_new.stride(0), k_new.stride(1))
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), *ks, meta.data_ptr(), *meta.stride()[:3],
-            None if first is None else first.data_ptr(), fs, pages.data_ptr(), *pages.stride(),
-            idx.data_ptr(), *idx.stride()[:2], B, H, H_q // H, D, length, page_size, budget, n, width,
+    ms, ps, xs = meta.stride(), pages.stride(), idx.stride()
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), *ks, meta.data_ptr(), ms[0], ms[1], ms[2],
+            None if first is None else first.data_ptr(), fs, pages.data_ptr(), ps[0], ps[1], ps[2],
+            idx.data_ptr(), xs[0], xs[1], B, H, H_q // H, D, length, page_size, budget, n, width,
             int(gqa == "max"), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")

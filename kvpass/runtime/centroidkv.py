@@ -237,6 +237,12 @@ class CentroidState(SiteState):
 
             self.bias = log_degree_bias(self.deg)
         if self.all_comp:
+            from kvpass.kernels import cpu_decode
+
+            # the buffers and their bias read in place, one C call (CPU, fp32); else the dispatched kernel
+            out = cpu_decode.decode_step(q, self.k, self.v, self.s, None, scale, self.bias)
+            if out is not None:
+                return out
             out = centroid_attention(q[:, :, 0], self.k[:, :, : self.s], self.v[:, :, : self.s],
                                      self.deg[:, :, : self.s], scale, self.bias[:, :, : self.s])
             return out.unsqueeze(2)

@@ -353,8 +353,8 @@ class ClusterState(SiteState):
     def _select_in_c(self, q: torch.Tensor) -> bool:
         from kvpass.kernels.clusterkv import cluster_select_cpu_available
 
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and type(q) is torch.Tensor
-                and q.stride(2) == 1 and cluster_select_cpu_available())
+        return (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and q.stride(-1) == 1
+                and cluster_select_cpu_available())
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
         if self.offloading:
@@ -365,23 +365,25 @@ class ClusterState(SiteState):
         from kvpass.kernels.clusterkv import cluster_select_cpu, cluster_select_torch
 
         n_sinks, cluster_budget, n_recent = budgets
-        q, p = call.q[:, :, 0], self.policy
+        p = self.policy
         meta = (self.centroids, self.sizes, self.offsets, self.order)
         if self.centroids is None:  # nothing clustered yet: the cluster slots stay empty
             b, h, _, d = call.k.shape
-            meta = (q.new_zeros((b, h, 0, d), dtype=torch.float32),
-                    *(torch.zeros((b, h, n), dtype=torch.int64, device=q.device) for n in (0, 1, 0)))
+            meta = (call.q.new_zeros((b, h, 0, d), dtype=torch.float32),
+                    *(torch.zeros((b, h, n), dtype=torch.int64, device=call.q.device) for n in (0, 1, 0)))
         self._plan_of_step = budgets
         padded = self.pad.padded
         # sinks, recalled clusters and recent tokens in one list; in a padded batch each row's own, and
         # all of a row that fits the budget
-        args = (q, *meta, self.pad.first if padded else None, call.length, n_sinks, cluster_budget, n_recent,
+        rest = (self.pad.first if padded else None, call.length, n_sinks, cluster_budget, n_recent,
                 p.budget if padded else -1, p.budget, p.gqa)
-        if self._select_in_c(q) and meta[0].dtype == torch.float32 and meta[0].stride(3) == 1:
-            return cluster_select_cpu(*args)
+        if self._select_in_c(call.q) and meta[0].dtype == torch.float32 and meta[0].stride(3) == 1:
+            # the (B, H_q, 1, D) query as it came (no view of it per step); a fresh list each step, as a
+            # probe or a test may keep last_idx
+            return cluster_select_cpu(call.q, *meta, *rest)
         from kvpass.lowering.dispatch import select_clusters
 
-        return cluster_select_torch(*args, select=select_clusters)
+        return cluster_select_torch(call.q[:, :, 0], *meta, *rest, select=select_clusters)
 
     def _offload_idx(self, call: AttentionCall) -> torch.Tensor | None:
         """The positions the offloading step attends (the plan its fetch made), for reports and probes."""

@@ -158,8 +158,8 @@ class QuestState(SiteState):
     def _top_in_c(self, q: torch.Tensor) -> bool:
         from kvpass.kernels.quest import quest_top_pages_cpu_available
 
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and type(q) is torch.Tensor
-                and q.stride(2) == 1 and quest_top_pages_cpu_available())
+        return (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and q.stride(-1) == 1
+                and quest_top_pages_cpu_available())
 
     def _fold_key(self, call: AttentionCall) -> None:
         """A steady step's metadata update in torch: the new key (position L - 1) joins its row's page
@@ -173,8 +173,7 @@ class QuestState(SiteState):
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
         covered = length - self.pad.first_min <= budget
-        q = call.q[:, :, 0]
-        in_c = not covered and self._top_in_c(q)
+        in_c = not covered and self._top_in_c(call.q)
         if steady and not in_c:
             self._fold_key(call)  # the C call merges it itself
         if covered:
@@ -191,12 +190,15 @@ class QuestState(SiteState):
             from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
 
             first = self.pad.first if padded else None
-            args = (q, self.meta, first, length, ps, budget, n, n_pages, self.policy.gqa)
-            if in_c:
-                self.pages, idx = quest_select_cpu(*args, k_new=call.k[:, :, length - 1] if steady else None)
+            if in_c:  # the (B, H_q, 1, D) query as it came: no view of it per step
+                self.pages, idx = quest_select_cpu(call.q, self.meta, first, length, ps, budget, n, n_pages,
+                                                   self.policy.gqa, k_new=call.k[:, :, length - 1] if steady
+                                                   else None)
             else:
-                self.pages, idx = quest_select_torch(*args)
+                self.pages, idx = quest_select_torch(call.q[:, :, 0], self.meta, first, length, ps, budget, n,
+                                                     n_pages, self.policy.gqa)
             return idx
+        q = call.q[:, :, 0]
         if not q.is_cuda:
             from kvpass.kernels.quest import quest_top_pages_torch
 

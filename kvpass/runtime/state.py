@@ -146,6 +146,10 @@ def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
     :mod:`kvpass.kernels.cpu_decode`, the mask (padding) as its bias."""
     from kvpass.kernels import cpu_decode
 
+    if attn_mask is None:
+        out = cpu_decode.decode_step(q, k, v, k.shape[2], None, scale)
+        if out is not None:
+            return out
     b, h_q, _, d = q.shape
     h_kv = k.shape[1]
     if cpu_decode.supports(q[:, :, 0], k, v) and (attn_mask is None or attn_mask.shape[-1] == k.shape[2]):
@@ -500,10 +504,9 @@ class SiteState:
         ``lists_padding=False``: the selection never lists a padding position, so padding needs no mask."""
         from kvpass.kernels import cpu_decode
 
-        q, k, v = call.q[:, :, 0], call.k_logical, call.v_logical
-        if (lists_padding and call.valid is not None) or not cpu_decode.supports(q, k, v):
+        if lists_padding and call.valid is not None:
             return None
-        return cpu_decode.cpu_decode_attention(q, k, v, idx, call.scale).unsqueeze(2)
+        return cpu_decode.decode_step(call.q, call.k, call.v, call.length, idx, call.scale)
 
     def choose_dense(self, n: int, length: int) -> bool:
         """Whether the CPU path attends ``n`` selected positions of ``length`` with a mask over the whole

@@ -611,7 +611,11 @@ class TailorState(SiteState):
         self.attended = -1
         st = self.store
         with _range("kvpass.attend"):
-            return cpu_decode.cpu_decode_attention(q[:, :, 0], st.k, st.v, idx, scale).unsqueeze(2)
+            out = cpu_decode.decode_step(q, st.k, st.v, st.k.shape[2], idx, scale)
+            if out is None:  # in_c was decided at the prefill: the queries are fp32 CPU, as the keys are
+                raise KVPassError("kvpass: TailorKV's CPU path met operands its decode attention does not serve "
+                                  f"(q {tuple(q.shape)} {q.dtype}, keys {tuple(st.k.shape)} {st.k.dtype})")
+            return out
 
     def _host_append(self, k_new, v_new, kabs: bool = False) -> None:
         """The new tokens into the host tier and the channel-major keys; with ``kabs``, also the running
