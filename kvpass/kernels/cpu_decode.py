@@ -456,10 +456,15 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, 
         n, istr, iptr = length, (0, 0, 0), None
     if b * h_q == 0:
         return out
-    ks, vs, qst, ost = k.stride(), v.stride(), q.stride(), out.stride()
-    rc = _load()(q.data_ptr(), qst[0], qst[1], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
-                 iptr, *istr, bptr, *bstr, out.data_ptr(), ost[0], ost[1],
-                 b, h_kv, h_q // h_kv, length, n, d, float(scale), torch.get_num_threads())
+    return _launch(q, k, v, length, n, iptr, istr, bptr, bstr, out, scale, torch.get_num_threads())
+
+
+def _launch(q, k, v, S, N, iptr, istr, bptr, bstr, out, scale, threads) -> torch.Tensor:
+    """The C call on checked operands: q's and out's first two dims are (B, H_q), their last D."""
+    ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
+    rc = _load()(q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
+                 iptr, *istr, bptr, *bstr, out.data_ptr(), os_[0], os_[1],
+                 q.shape[0], k.shape[1], q.shape[1] // k.shape[1], S, N, q.shape[-1], float(scale), threads)
     if rc != 0:
         raise MemoryError(f"kvpass: cpu_decode_attention could not allocate its scratch (rc={rc})")
     return out
@@ -482,8 +487,7 @@ def cpu_decode_attention(
     fp32 CPU only (:func:`supports`). The (batch row, KV head) pairs are split over ``threads``
     (default ``torch.get_num_threads()``) when there is enough work. Returns ``(B, H_q, D)``, into
     ``out`` when given (its last dim contiguous); a row with nothing valid is 0."""
-    fn = _load()
-    if fn is None or not supports(q, k, v):
+    if not supports(q, k, v):  # supports() also asks for the built kernel
         raise ValueError(
             "kvpass: cpu_decode_attention needs fp32 CPU q (B, H_q, D), k, v (B, H_kv, S, D) with a "
             "contiguous last dim and the C kernel built (kvpass.kernels.cpu_decode.available()); got "
@@ -491,7 +495,6 @@ def cpu_decode_attention(
         )
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
-    G = H_q // H_kv
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if out is None:
@@ -515,15 +518,8 @@ def cpu_decode_attention(
         bstr, bptr = (0, 0, 0), None
     if B * H_q == 0:
         return out
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1),
-            k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-            v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
-            iptr, *istr, bptr, *bstr,
-            out.data_ptr(), out.stride(0), out.stride(1),
-            B, H_kv, G, S, N, D, float(scale), torch.get_num_threads() if threads is None else int(threads))
-    if rc != 0:
-        raise MemoryError(f"kvpass: cpu_decode_attention could not allocate its scratch (rc={rc})")
-    return out
+    return _launch(q, k, v, S, N, iptr, istr, bptr, bstr, out, scale,
+                   torch.get_num_threads() if threads is None else int(threads))
 
 
 def cpu_decode_attention_ref(

@@ -146,21 +146,18 @@ def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
     :mod:`kvpass.kernels.cpu_decode`, the mask (padding) as its bias."""
     from kvpass.kernels import cpu_decode
 
-    if attn_mask is None:
-        out = cpu_decode.decode_step(q, k, v, k.shape[2], None, scale)
-        if out is not None:
-            return out
     b, h_q, _, d = q.shape
     h_kv = k.shape[1]
-    if cpu_decode.supports(q[:, :, 0], k, v) and (attn_mask is None or attn_mask.shape[-1] == k.shape[2]):
+    if q.is_cpu and (attn_mask is None or attn_mask.shape[-1] == k.shape[2]):
         bias = None
         if attn_mask is not None:
             row = attn_mask[:, 0, 0]  # (B or 1, S): shared by the heads and the one query
             bias = (torch.zeros(row.shape, dtype=torch.float32, device=row.device).masked_fill_(~row, -math.inf)
                     if row.dtype == torch.bool else row.float())
             bias = bias[:, None, :].expand(b, h_kv, -1)
-        out = cpu_decode.cpu_decode_attention(q[:, :, 0], k, v, None, scale, bias)
-        return out.view(b, h_q, 1, v.shape[3])
+        out = cpu_decode.decode_step(q, k, v, k.shape[2], None, scale, bias)
+        if out is not None:
+            return out
     qg = q.reshape(b, h_kv, h_q // h_kv, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=scale)
     return out.view(b, h_q, 1, v.shape[3])
