@@ -85,9 +85,54 @@ def test_dense_equals_sdpa_and_writes_out():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
 
 
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 3),
+    n=st.integers(900, 2600),  # a pair's rows are split into parts of 512 or more from 1024 rows (PART_ROWS)
+    listed=st.booleans(),
+    skip=st.sampled_from(["none", "head", "tail", "all"]),  # whole parts with no valid row
+    big=st.booleans(),  # parts whose softmax mass underflows against another part's
+    seed=SEEDS,
+)
+def test_parts_of_a_pairs_rows_merge_to_the_reference(b, h_kv, n, listed, skip, big, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g, d, s = 3, 64, n + 40
+    q = torch.randn(b, h_kv * g, d, generator=gen) * (30.0 if big else 1.0)
+    k, v = torch.randn(b, h_kv, s, d, generator=gen), torch.randn(b, h_kv, s, d, generator=gen)
+    idx = torch.randint(0, s, (b, h_kv, n), generator=gen) if listed else None
+    bs = None
+    if listed:
+        if skip == "head":
+            idx[..., : n // 2] = -1
+        elif skip == "tail":
+            idx[..., 700:] = -1
+        elif skip == "all":
+            idx[1:] = -1  # the other rows list nothing
+    else:
+        s, k, v = n, k[:, :, :n], v[:, :, :n]
+        lo = {"none": 0, "head": n - 300, "tail": 0, "all": n}[skip]
+        bs = torch.zeros(b, h_kv, n)
+        bs[..., :lo] = float("-inf")  # a padded row: its first parts hold no valid row
+        if skip == "tail":
+            bs[..., 600:] = float("-inf")
+    out = cpu_decode_attention(q, k, v, idx, 0.3, bs, threads=1)
+    ref = cpu_decode_attention_ref(q, k, v, idx, 0.3, bs)
+    atol, rtol = TOL[torch.float32]
+    if big:  # as in test_kernel_matches_reference: the tolerance grows with the largest score
+        smax = float((q.reshape(b, h_kv, g, d).double() @ k.double().transpose(-1, -2)).abs().max()) * 0.3
+        atol = max(atol, 4 * 2.0 ** -24 * smax * d ** 0.5)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # the parts depend on the rows alone: the same bits on more threads and for a row run alone
+    assert torch.equal(cpu_decode_attention(q, k, v, idx, 0.3, bs, threads=2), out)
+    one = cpu_decode_attention(q[-1:], k[-1:], v[-1:], None if idx is None else idx[-1:], 0.3,
+                               None if bs is None else bs[-1:], threads=2)
+    assert torch.equal(one, out[-1:])
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_pairs_with_the_same_result(threads):
-    # enough rows that the pairs are split (MIN_ROWS_PER_THREAD): each thread writes its own rows only
+    # enough rows that the pairs and the parts of their rows are split over the threads
+    # (MIN_ROWS_PER_THREAD): each thread writes its own pairs or parts only
     gen = torch.Generator().manual_seed(threads)
     q = torch.randn(3, 9, 64, generator=gen)
     k, v = torch.randn(3, 3, 9000, 64, generator=gen), torch.randn(3, 3, 9000, 64, generator=gen)

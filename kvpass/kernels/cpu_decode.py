@@ -103,6 +103,11 @@ static float exp_sum(float *restrict x, int64_t n, float m) {
 #else
 #define MIN_ROWS_PER_THREAD 8192  /* a thread started per call costs tens of microseconds */
 #endif
+/* a pair's rows are split into parts of at least PART_ROWS rows, MAX_PARTS at most, when it has 2 * PART_ROWS:
+   the units of work outnumber the threads (SmolLM2 at batch 1 has 3 pairs for 2 threads) */
+#define PART_ROWS 512
+#define MAX_PARTS 8
+#define MAX_THREADS 64
 #define MAX_D 256  /* the vector path's head dim; a larger one takes the scalar loops */
 static inline void prefetch_row(const float *r, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)r + o, 0, 0);
@@ -241,12 +246,13 @@ static void pick_passes(int64_t G, int64_t D, scores_fn *s, wsum_fn *w) {
 
 /* One (batch row, KV head) pair: G queries over N listed rows of k, v, plus bias[pos] when bias is not
    NULL (a bias of -inf skips the row, as a position outside [0, S) is skipped). sc is G*N floats of
-   scratch, rows N int64. */
+   scratch, rows N int64. ml (may be NULL): the softmax's max and sum of each query, ml[g] and ml[16 + g]
+   (-FLT_MAX and 0 with no valid row), for a pair split over the sequence (merge_parts). */
 static void pair(const float *restrict q, int64_t qs_h, const float *restrict k, int64_t ks_s,
                  const float *restrict v, int64_t vs_s, const int64_t *restrict idx, int64_t is_n,
                  const float *restrict bias, int64_t bs_s, float *restrict out, int64_t os_h,
                  float *restrict sc, int64_t *restrict rows, int64_t G, int64_t S, int64_t N, int64_t D,
-                 float scale) {
+                 float scale, float *restrict ml) {
     float m[16], l[16];
     const int vec = (D % VW == 0) && D <= MAX_D;
     float qs[16 * MAX_D];  /* the group's queries, pre-scaled, g-major (vector path) */
@@ -264,6 +270,7 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
         valid += pos >= 0;
     }
     for (int64_t g = 0; g < G; g++) memset(out + g * os_h, 0, sizeof(float) * D);
+    if (ml) for (int64_t g = 0; g < G; g++) { ml[g] = -FLT_MAX; ml[16 + g] = 0.f; }
     if (!valid) return;
     /* listed rows (scattered: the hardware cannot guess them) are prefetched; those whose V rows fit in
        half of a 1 MB L2 also have the V row fetched into L2 in pass 1, so that pass 2 reads it from there */
@@ -273,8 +280,12 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
         wsum_fn wfn;
         pick_passes(G, D, &sfn, &wfn);
         sfn(qs, k, ks_s, v, vs_s, rows, N, bias, bs_s, sc, scattered, v_ahead, G, D);
-        for (int64_t g = 0; g < G; g++) l[g] = exp_sum(sc + g * N, N, max_of(sc + g * N, N));  /* skipped: 0 */
+        for (int64_t g = 0; g < G; g++) {
+            m[g] = max_of(sc + g * N, N);
+            l[g] = exp_sum(sc + g * N, N, m[g]);  /* skipped: 0 */
+        }
         wfn(sc, v, vs_s, rows, N, l, out, os_h, scattered, G, D);
+        if (ml) for (int64_t g = 0; g < G; g++) { ml[g] = m[g]; ml[16 + g] = l[g]; }
         return;
     }
     /* scalar loops: a head dim that is not a multiple of VW lanes (or over MAX_D) */
@@ -305,6 +316,7 @@ static void pair(const float *restrict q, int64_t qs_h, const float *restrict k,
         float inv = 1.f / l[g], *o = out + g * os_h;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
+    if (ml) for (int64_t g = 0; g < G; g++) { ml[g] = m[g]; ml[16 + g] = l[g]; }
 }
 
 typedef struct {
@@ -312,10 +324,14 @@ typedef struct {
     const int64_t *idx;
     float *out;
     int64_t qs_b, qs_h, ks_b, ks_h, ks_s, vs_b, vs_h, vs_s, is_b, is_h, is_n, bs_b, bs_h, bs_s, os_b, os_h;
-    int64_t Hk, G, S, N, D, lo, hi;  /* pairs [lo, hi) of the B * Hk (batch row, KV head) pairs */
+    int64_t Hk, G, S, N, D, lo, hi;  /* units [lo, hi): the B * Hk (batch row, KV head) pairs, or parts */
+    int64_t parts;  /* 1, or the parts each pair's rows are split into, each written to part */
+    float *part;    /* parts: per unit G * D outputs, then the 32 floats of its ml (see pair) */
     float scale;
     int rc;
 } job_t;
+
+#define PART_FLOATS(G, D) ((G) * (D) + 32)
 
 static void *run_job(void *arg) {
     job_t *j = (job_t *)arg;
@@ -323,26 +339,60 @@ static void *run_job(void *arg) {
     float *sc = (float *)malloc(sizeof(float) * n * (size_t)j->G);
     int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * n);
     j->rc = (sc && rows) ? 0 : -1;
-    for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
-        int64_t b = p / j->Hk, h = p % j->Hk;
-        pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->k + b * j->ks_b + h * j->ks_h, j->ks_s,
-             j->v + b * j->vs_b + h * j->vs_h, j->vs_s,
-             j->idx ? j->idx + b * j->is_b + h * j->is_h : 0, j->is_n,
-             j->bias ? j->bias + b * j->bs_b + h * j->bs_h : 0, j->bs_s,
-             j->out + b * j->os_b + h * j->G * j->os_h,
-             j->os_h, sc, rows, j->G, j->S, j->N, j->D, j->scale);
+    for (int64_t u = j->lo; u < j->hi && !j->rc; u++) {
+        int64_t p = u / j->parts, c = u % j->parts, b = p / j->Hk, h = p % j->Hk;
+        /* part c of the pair: rows [n0, n1) of its list, or of the cache where there is no list */
+        int64_t n0 = j->N * c / j->parts, n1 = j->N * (c + 1) / j->parts, sh = j->idx ? 0 : n0;
+        float *po = j->parts > 1 ? j->part + u * PART_FLOATS(j->G, j->D) : 0;
+        pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, j->k + b * j->ks_b + h * j->ks_h + sh * j->ks_s,
+             j->ks_s, j->v + b * j->vs_b + h * j->vs_h + sh * j->vs_s, j->vs_s,
+             j->idx ? j->idx + b * j->is_b + h * j->is_h + n0 * j->is_n : 0, j->is_n,
+             j->bias ? j->bias + b * j->bs_b + h * j->bs_h + sh * j->bs_s : 0, j->bs_s,
+             po ? po : j->out + b * j->os_b + h * j->G * j->os_h, po ? j->D : j->os_h, sc, rows, j->G,
+             j->S - sh, n1 - n0, j->D, j->scale, po ? po + j->G * j->D : 0);
     }
     free(sc);
     free(rows);
     return 0;
 }
 
-#define MAX_THREADS 64
+/* The parts of each pair (their softmax max m_c, sum l_c and normalised output o_c) into out:
+   sum_c w_c o_c / sum_c w_c, w_c = l_c exp(m_c - max m); 0 where no part had a valid row */
+static void merge_parts(const float *part, int64_t parts, float *out, int64_t os_b, int64_t os_h, int64_t pairs,
+                        int64_t Hk, int64_t G, int64_t D) {
+    const int64_t pf = PART_FLOATS(G, D);
+    for (int64_t p = 0; p < pairs; p++) {
+        float *o0 = out + (p / Hk) * os_b + (p % Hk) * G * os_h;
+        for (int64_t g = 0; g < G; g++) {
+            float M = -FLT_MAX, W = 0.f, w[MAX_PARTS], *o = o0 + g * os_h;
+            for (int64_t c = 0; c < parts; c++) {
+                const float *ml = part + (p * parts + c) * pf + G * D;
+                if (ml[16 + g] > 0.f && ml[g] > M) M = ml[g];
+            }
+            for (int64_t c = 0; c < parts; c++) {
+                const float *ml = part + (p * parts + c) * pf + G * D;
+                w[c] = ml[16 + g] > 0.f ? ml[16 + g] * expf(ml[g] - M) : 0.f;
+                W += w[c];
+            }
+            memset(o, 0, sizeof(float) * D);
+            if (W <= 0.f) continue;
+            for (int64_t c = 0; c < parts; c++) {
+                if (w[c] <= 0.f) continue;
+                const float *oc = part + (p * parts + c) * pf + g * D, f = w[c] / W;
+                for (int64_t d = 0; d < D; d++) o[d] += f * oc[d];
+            }
+        }
+    }
+}
+
 /* q (B, Hk*G, D) strides (qs_b, qs_h, 1); k, v (B, Hk, S, D) strides (s_b, s_h, s_s, 1);
    idx (B, Hk, N) strides (is_b, is_h, is_n) or NULL (N = S); bias (B, Hk, S) strides (bs_b, bs_h, bs_s)
    or NULL; out (B, Hk*G, D) strides (os_b, os_h, 1). The pairs are split over up to `threads` threads
-   (the caller's and threads - 1 started here). Returns 0; -1 when scratch or a thread cannot be had;
-   -2 for a group over 16. */
+   (the caller's and threads - 1 started here), a pair's rows in parts of PART_ROWS or more where it has
+   many (merged by their softmax sums: merge_parts), so that the threads share the rows evenly where the
+   pairs alone do not divide among them (batch 1 of SmolLM2: 3 KV heads, 2 threads). The parts depend on
+   N only: a result is the same for every thread count and batch. Returns 0; -1 when
+   scratch or a thread cannot be had; -2 for a group over 16. */
 int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
                             const float *k, int64_t ks_b, int64_t ks_h, int64_t ks_s,
                             const float *v, int64_t vs_b, int64_t vs_h, int64_t vs_s,
@@ -354,13 +404,18 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
     if (G > 16) return -2;
     int64_t pairs = B * Hk;
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (t > pairs) t = pairs;
     if (pairs * N < MIN_ROWS_PER_THREAD * 2) t = 1;  /* starting a thread costs more than it saves */
+    /* parts of a pair's rows by N alone, so that a result does not depend on the threads or the batch */
+    const int64_t parts = N >= 2 * PART_ROWS ? (N / PART_ROWS < MAX_PARTS ? N / PART_ROWS : MAX_PARTS) : 1;
+    const int64_t units = pairs * parts;
+    if (t > units) t = units;
+    float *part = parts > 1 ? (float *)malloc(sizeof(float) * (size_t)(pairs * parts * PART_FLOATS(G, D))) : 0;
+    if (parts > 1 && !part) return -1;
     job_t jobs[MAX_THREADS];
     for (int64_t i = 0; i < t; i++) {
         job_t j = {q, k, v, bias, idx, out, qs_b, qs_h, ks_b, ks_h, ks_s, vs_b, vs_h, vs_s, is_b, is_h, is_n,
-                   bs_b, bs_h, bs_s, os_b, os_h, Hk, G, S, N, D, pairs * i / t, pairs * (i + 1) / t,
-                   scale, 0};
+                   bs_b, bs_h, bs_s, os_b, os_h, Hk, G, S, N, D, units * i / t, units * (i + 1) / t,
+                   parts, part, scale, 0};
         jobs[i] = j;
     }
 #ifdef _OPENMP
@@ -381,6 +436,8 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
     int rc = 0;
     for (int64_t i = 0; i < t; i++)
         if (jobs[i].rc) rc = jobs[i].rc;
+    if (part && !rc) merge_parts(part, parts, out, os_b, os_h, pairs, Hk, G, D);
+    free(part);
     return rc;
 }
 """

@@ -359,7 +359,7 @@ static inline __attribute__((always_inline)) void quest_pair(
         const float *m = mp + p * ms_p;
         float best = 0.f;
         for (int64_t g = 0; g < rows; g++) {
-            float acc = dot(qq + g * 2 * D, m, 2 * D);
+            float acc = dot_wide(qq + g * 2 * D, m, 2 * D);  /* 2D floats: 128 for SmolLM2 */
             if (g == 0 || acc > best) best = acc;
         }
         cand_t c = {best, p};

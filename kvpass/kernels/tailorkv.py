@@ -1327,7 +1327,7 @@ def cpu_select_available() -> bool:
 
 def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
     # an empty tensor is never read (and .contiguous() keeps its strides)
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype
+    return (type(t) is torch.Tensor and t.is_cpu and t.dtype == dtype
             and (t.stride(-1) == 1 or t.numel() == 0))
 
 
