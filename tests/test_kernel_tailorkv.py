@@ -760,7 +760,11 @@ def test_tailor_cpu_refusals():
     with pytest.raises(ValueError, match="fp32 CPU"):
         tailor_select_cpu(q.half(), kT, ch, 2, 20, 4, 5)
     with pytest.raises(ValueError, match="mid_end"):
-        tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 28, 4, 5)  # past the capacity
+        tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 31, 4, 5)  # candidates past the capacity
+    # the recent tokens are listed, not read: the step's own token is appended after the selection, and may
+    # outgrow the keys' capacity (the store's first reserve)
+    got = tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 28, 4, 5)
+    assert torch.equal(got[..., -5:], torch.arange(28, 33).expand(1, 2, 5))
     with pytest.raises(ValueError, match="first position"):
         tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 20, 4, 5, torch.tensor([19]))  # past the candidates
     with pytest.raises(ValueError, match="0 <= n <= D"):

@@ -484,6 +484,21 @@ def test_compressing_run_reports_tiers_traffic_and_estimate(compiled_tiny):
     assert "estimate" in be.report() or rows
 
 
+def test_decoding_past_the_stores_first_capacity(compiled_tiny):
+    # a prefill reserves its length + 256 slots (whole pages of 64); the step that outgrows them runs its
+    # fetch before the attention appends the new token (and grows the store and the channel-major keys):
+    # the selection then lists a recent position that the keys do not hold yet, as every step does
+    ct = compiled_tiny(layers=3, seed=2)
+    ids = prompt(100)
+    prof = Profile(config_key(ct.model.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
+    pol = TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32)
+    out, be = ct.generate(pol, ids, new_tokens=300, strict=False)  # 400 tokens: past 100 + 256 -> 384
+    assert out.shape == (1, 400)
+    rows = be.report_rows()
+    assert [r["tier"] for r in rows] == ["quantised", "sparse", "sparse"]
+    assert all(r["tokens_attended"] == 96 for r in rows[1:])
+
+
 # one prompt x 3 beams, and 2 prompts x 2 beams; each test runs one of them in `make test`, both in
 # `make test-all`
 SLOW = pytest.mark.slow

@@ -1386,12 +1386,12 @@ def tailor_select_cpu(
           and _plain_cpu(ch, torch.int64) and q.dim() == 3 and kT.dim() == 4 and ch.dim() == 3
           and kT.shape[0] == b and kT.shape[2] == d and kT.shape[1] > 0 and h_q % kT.shape[1] == 0
           and tuple(ch.shape[:2]) == tuple(kT.shape[:2]) and 0 <= n_sinks and n >= 0 and k >= 0
-          and n_recent >= 0 and mid_end + n_recent <= kT.shape[3]
+          and n_recent >= 0 and mid_end <= kT.shape[3]
           and (first is None or (_plain_cpu(first, torch.int64) and first.shape == (b,) and first.is_contiguous())))
     if not ok:
         raise ValueError(
             "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and fp32 or bf16 kT (B, H_kv, D, S) with "
-            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end, mid_end + n_recent <= S, "
+            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end <= S, "
             f"first None or a contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
             f"{tuple(kT.shape)} {kT.dtype}, ch {tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, "
             f"mid_end={mid_end}, k={k}, n_recent={n_recent}, first "
