@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 
 from kvpass.kernels.sparse_attention import sparse_decode_attention_ref
 from kvpass.kernels.tailorkv import (
+    CpuStep,
     QuantizedKV,
-    cosine_sum_cpu,
     cpu_select_available,
     critical_channels,
-    critical_channels_cpu,
     dequantize,
     partial_topk,
     partial_topk_ref,
@@ -638,6 +637,15 @@ def test_cpu_kernels_are_built():
     assert cpu_select_available()
 
 
+def critical_channels_cpu(q, kabs_max, n):
+    """The channels :meth:`CpuStep.select` picks (written to ``ch_out``), from a step with no candidates."""
+    B, H, D = kabs_max.shape
+    out = torch.full((B, H, n), -7, dtype=torch.int64)
+    step = CpuStep(None, None, torch.zeros(B, H, D, 1), kabs_max)
+    step.select(q, 0, 0, 0, 1, q_c=q, n_channels=n, ch_out=out)  # one recent token: the C call runs
+    return out
+
+
 @given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=HEAD_DIMS, n_frac=st.floats(0, 1),
        nan=st.booleans(), seed=SEEDS)
 def test_critical_channels_cpu_match_naive_loop(B, H_kv, G, D, n_frac, nan, seed):
@@ -767,17 +775,42 @@ def test_tailor_cpu_refusals():
     assert torch.equal(got[..., -5:], torch.arange(28, 33).expand(1, 2, 5))
     with pytest.raises(ValueError, match="first position"):
         tailor_select_cpu(q, kT, ch.clamp(max=7), 2, 20, 4, 5, torch.tensor([19]))  # past the candidates
-    with pytest.raises(ValueError, match="0 <= n <= D"):
-        critical_channels_cpu(q, kT[..., 0], 9)
+    with pytest.raises(ValueError, match="0 <= n_channels <= D"):
+        critical_channels_cpu(q, kT[..., 0].contiguous(), 9)
+    step = CpuStep(None, None, kT, kT[..., 0].abs())
+    with pytest.raises(ValueError, match="q_c shaped like q"):
+        step.select(q, 2, 20, 4, 5, q_c=q[:, :3], n_channels=2)
+    with pytest.raises(ValueError, match="cos a float64"):
+        step.select(q, 2, 20, 4, 5, q_c=q, n_channels=2, cos=torch.zeros(1))
+    with pytest.raises(ValueError, match="C kernels"):
+        CpuStep(torch.zeros(1, 2, 30, 8), None, kT, kT[..., 0].abs())  # k without v
 
 
-def test_cosine_sum_cpu_equals_torch():
-    gen = torch.Generator().manual_seed(4)
-    a, b = torch.randn(3, 9, 64, generator=gen), torch.randn(3, 9, 64, generator=gen)
-    b[0, 0] = a[0, 0] * 2  # cos 1
-    b[1, 1] = 0.0  # a zero row: 0
-    want = F.cosine_similarity(a, b, dim=-1).sum().item()
-    assert abs(cosine_sum_cpu(a, b) - want) < 1e-5
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=HEAD_DIMS, S=st.integers(0, 700),
+       c=st.integers(1, 8), k=st.integers(0, 300), four_d=st.booleans(), padded=st.booleans(), seed=SEEDS)
+def test_select_picking_the_channels_equals_the_two_steps(B, H_kv, G, D, S, c, k, four_d, padded, seed):
+    """The runtime's one C call (channels from the estimate q_c and max |K|, the top-k by them with the true
+    q, the estimate's cosine) equals critical_channels on q_c, then tailor_select_cpu with those channels,
+    and F.cosine_similarity; the query as the op gives it, (B, H_q, 1, D), or (B, H_q, D)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_s, n_r = min(16, S), min(112, max(S - 16, 0))
+    mid_end = S - n_r
+    q = torch.randn(B, H_kv * G, D, generator=gen)
+    q_c = q + 0.5 * torch.randn(B, H_kv * G, D, generator=gen)
+    kT = torch.randn(B, H_kv, D, S + 3, generator=gen).bfloat16()
+    kabs = kT.float().abs().amax(3)
+    first = torch.randint(0, max(mid_end - n_s, 0) + 1, (B,), generator=gen) if padded else None
+    ch = critical_channels(q_c, kabs, c if c <= D else D)
+    want = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r, first)
+    ch_out = torch.full(ch.shape, -1, dtype=torch.int64)
+    cos = torch.full((1,), 0.25, dtype=torch.float64)
+    got = CpuStep(None, None, kT, kabs, first).select(
+        q.unsqueeze(2) if four_d else q, n_s, mid_end, k, n_r, q_c=q_c, n_channels=ch.shape[2], cos=cos,
+        ch_out=ch_out)
+    assert torch.equal(got, want)
+    if want.numel():  # an empty list runs no C call
+        assert torch.equal(ch_out, ch)
+        assert abs(float(cos) - 0.25 - F.cosine_similarity(q_c.double(), q.double(), dim=-1).mean().item()) < 1e-6
 
 
 @given(

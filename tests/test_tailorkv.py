@@ -308,7 +308,7 @@ def test_estimated_query_equals_the_models_own_modules(dynamic):
         q = attn.q_proj(layers[layer].input_layernorm(h)).view(1, 1, -1, attn.head_dim).transpose(1, 2)
         cos, sin = m.model.rotary_emb(h, pos)
         q_hat, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        got = be.runtime.state(layer).q_hat
+        got = be.runtime.state(layer).q_hat[:, :, 0]  # kept as the op received it, (B, H_q, 1, D)
         torch.testing.assert_close(got, q_hat[:, :, 0].detach(), atol=1e-5, rtol=1e-5)
     assert [r["estimate"] for r in be.report_rows()] == ["none (first site: no earlier layer)", "layer 0", "layer 1"]
 

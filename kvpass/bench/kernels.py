@@ -433,8 +433,8 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       against :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and
       offsets, the recalled order slots read and the list written.
     - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
-      ``N - 128`` fetched: :func:`~kvpass.kernels.tailorkv.critical_channels_cpu` +
-      :func:`~kvpass.kernels.tailorkv.tailor_select_cpu` against the torch path (the channels, their rows
+      ``N - 128`` fetched: :meth:`~kvpass.kernels.tailorkv.CpuStep.select` (the runtime's one C call: the
+      channels picked from the query and the channel maxima, the list) against the torch path (the channels, their rows
       copied from the channel-major keys, :func:`~kvpass.kernels.tailorkv.partial_topk_ref`, the list),
       the keys channel-major in bf16 as the runtime holds them; bytes: the channel rows read and the list
       written.
@@ -536,8 +536,8 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             # the channel-major copy as the runtime holds it for fp32 keys: bf16
             kT, kabs, n_ch, sinks, recent = k.transpose(2, 3).bfloat16().contiguous(), k.abs().amax(2), 8, 16, 112
             mid_end, top = s.S - recent, s.N - 128
-            c = lambda: tailorkv.tailor_select_cpu(  # noqa: E731
-                q, kT, tailorkv.critical_channels_cpu(q, kabs, n_ch), sinks, mid_end, top, recent)
+            step = tailorkv.CpuStep(None, None, kT, kabs)
+            c = lambda: step.select(q, sinks, mid_end, top, recent, q_c=q, n_channels=n_ch)  # noqa: E731
 
             def t():
                 from kvpass.kernels.sparse_attention import sinks_picked_recent
@@ -553,7 +553,7 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
                 BH * (n_ch * (mid_end - sinks) * kT.element_size() + 8 * s.N), {"N": s.N - 128 + sinks + recent})
             # the C call with the caches flushed (channel rows from memory, as in a model's step), over the
             # bf16 copy against an fp32 one (what the runtime held before): the price of the copy's bytes
-            kT32, ch = kT.float(), tailorkv.critical_channels_cpu(q, kabs, n_ch)
+            kT32, ch = kT.float(), tailorkv.critical_channels(q, kabs, n_ch)
             flush = torch.zeros(32 << 20, dtype=torch.int32)
             cold = lambda t: _time_cpu_cold(  # noqa: E731
                 lambda: tailorkv.tailor_select_cpu(q, t, ch, sinks, mid_end, top, recent), quick, flush)

@@ -977,26 +977,31 @@ static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub
     return j;
 }
 
-/* critical_channels per (b, h): s_i = sum_g |q_{g,i}| * kabs_i, the n best (ties to the lower channel,
-   NaN first as torch.sort ranks it), written in ascending channel order. */
-int kvpass_tailor_channels(const float *q, int64_t qs_b, int64_t qs_h,
-                           const float *kabs, int64_t as_b, int64_t as_h,
-                           int64_t *out, int64_t os_b, int64_t os_h,
-                           int64_t B, int64_t H, int64_t G, int64_t D, int64_t n) {
-    uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(D > 0 ? 2 * D : 1));
-    if (!key) return -1;
-    for (int64_t b = 0; b < B; b++)
+/* One (b, h) pair's critical channels: s_i = sum_g |q_{g,i}| * kabs_i, the n best (ties to the lower
+   channel, NaN first as torch.sort ranks it) in ascending channel order at o. key: 2 D scratch. */
+static void pair_channels(const float *qg, int64_t qs_h, const float *ka, int64_t G, int64_t D, int64_t n,
+                          uint32_t *key, int64_t *o) {
+    for (int64_t i = 0; i < D; i++) {
+        float s = 0.f;
+        for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
+        key[i] = fkey(s, 0xFFFFFFFFu);
+    }
+    take_top(key, D, n, key + D, NULL, o, 0);
+}
+
+/* sum over rows of cos(a_r, b_r), rows (B, H) of D floats: torch's cosine_similarity (eps 1e-8). */
+static double cos_sum(const float *a, int64_t as_b, int64_t as_h, const float *b, int64_t bs_b, int64_t bs_h,
+                      int64_t B, int64_t H, int64_t D) {
+    double total = 0.0;
+    for (int64_t i = 0; i < B; i++)
         for (int64_t h = 0; h < H; h++) {
-            const float *qg = q + b * qs_b + h * G * qs_h, *ka = kabs + b * as_b + h * as_h;
-            for (int64_t i = 0; i < D; i++) {
-                float s = 0.f;
-                for (int64_t g = 0; g < G; g++) s += fabsf(qg[g * qs_h + i]) * ka[i];
-                key[i] = fkey(s, 0xFFFFFFFFu);
-            }
-            take_top(key, D, n, key + D, NULL, out + b * os_b + h * os_h, 0);
+            const float *x = a + i * as_b + h * as_h, *y = b + i * bs_b + h * bs_h;
+            double xy = 0.0, xx = 0.0, yy = 0.0;
+            for (int64_t d = 0; d < D; d++) { xy += (double)x[d] * y[d]; xx += (double)x[d] * x[d]; yy += (double)y[d] * y[d]; }
+            double den = sqrt(xx * yy);
+            total += xy / (den > 1e-8 ? den : 1e-8);
         }
-    free(key);
-    return 0;
+    return total;
 }
 
 /* One (b, h) pair's list, for a row whose first real position is f (0 without padding): the sinks
@@ -1052,11 +1057,12 @@ static int select_pair(const float *qg, int64_t qs_h, const void *kt, int64_t kt
 }
 
 typedef struct {
-    const float *q;
+    const float *q, *qc, *kabs;
     const void *kT;
     const int64_t *ch, *first;
-    int64_t *out;
+    int64_t *out, *ch_out;
     int64_t kt_bf16, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, width, lo, hi;
+    int64_t qc_b, qc_h, a_b, a_h, co_b, co_h;
     int rc;
 } select_job;
 
@@ -1071,7 +1077,17 @@ static void *run_select(void *arg) {
         const int64_t off = b * j->ts_b + h * j->ts_h;
         const void *kt = j->kt_bf16 ? (const void *)((const uint16_t *)j->kT + off)
                                     : (const void *)((const float *)j->kT + off);
-        j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, kt, j->kt_bf16, j->ts_d, j->ch + b * j->cs_b + h * j->cs_h, j->out + b * j->os_b + h * j->os_h,
+        int64_t chs[256];
+        uint32_t ck[512];
+        const int64_t *cb = chs;
+        if (j->ch) {
+            cb = j->ch + b * j->cs_b + h * j->cs_h;
+        } else {  /* this pair's channels from qc and kabs (the prefetch's pick, made here) */
+            pair_channels(j->qc + b * j->qc_b + h * j->G * j->qc_h, j->qc_h, j->kabs + b * j->a_b + h * j->a_h,
+                          j->G, j->D, j->C, ck, chs);
+            if (j->ch_out) memcpy(j->ch_out + b * j->co_b + h * j->co_h, chs, sizeof(int64_t) * (size_t)j->C);
+        }
+        j->rc = select_pair(j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h, kt, j->kt_bf16, j->ts_d, cb, j->out + b * j->os_b + h * j->os_h,
                             key, j->G, j->C, j->D, j->first ? j->first[b] : 0, j->n_s, j->mid_end, j->k,
                             j->n_r, j->width);
     }
@@ -1082,15 +1098,23 @@ static void *run_select(void *arg) {
 #define MAX_THREADS 64
 /* kT (B, H, D, S) channel-major, fp32, or bfloat16 with kt_bf16 (strides in elements), ch (B, H, C), first (B) or NULL: each row's first real position (a
    left-padded batch), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs split over up to `threads`
-   threads when each gets at least 4k candidates (16k where each call starts its own threads). Returns 0,
-   -1 (no memory), -2 (a channel outside [0, D)), -3 (a first position past mid_end - n_s). */
+   threads when each gets at least 4k candidates (16k where each call starts its own threads).
+   ch NULL: each pair's C channels are picked here from qc (B, H * G, D) and kabs (B, H, D) (the prefetch's
+   critical channels, D <= 256), and written to ch_out (B, H, C) unless it is NULL. cos not NULL: adds the
+   mean over the B * H * G rows of cos(qc, q) to *cos (the estimate's similarity, one serial pass).
+   Returns 0, -1 (no memory), -2 (a channel outside [0, D)), -3 (a first position past mid_end - n_s),
+   -4 (channels to pick with D > 256). */
 int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                          const void *kT, int64_t kt_bf16, int64_t ts_b, int64_t ts_h, int64_t ts_d,
                          const int64_t *ch, int64_t cs_b, int64_t cs_h, const int64_t *first,
                          int64_t *out, int64_t os_b, int64_t os_h,
                          int64_t B, int64_t H, int64_t G, int64_t C, int64_t D,
-                         int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t threads) {
+                         int64_t n_s, int64_t mid_end, int64_t k, int64_t n_r, int64_t threads,
+                         const float *qc, int64_t qc_b, int64_t qc_h, const float *kabs, int64_t a_b, int64_t a_h,
+                         int64_t *ch_out, int64_t co_b, int64_t co_h, double *cos) {
     int64_t pairs = B * H, n = mid_end - n_s;
+    if (!ch && (D > 256 || C > D)) return -4;
+    if (cos && B * H * G > 0) *cos += cos_sum(qc, qc_b, qc_h, q, qs_b, qs_h, B, H * G, D) / (double)(B * H * G);
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
 #ifdef _OPENMP
@@ -1101,8 +1125,9 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
     int64_t width = n_s + (n < k ? (n > 0 ? n : 0) : k) + n_r;
     select_job jobs[MAX_THREADS];
     for (int64_t i = 0; i < t; i++) {
-        select_job j = {q, kT, ch, first, out, kt_bf16, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h, os_b, os_h, H, G, C, D,
-                        n_s, mid_end, k, n_r, width, pairs * i / t, pairs * (i + 1) / t, 0};
+        select_job j = {q, qc, kabs, kT, ch, first, out, ch_out, kt_bf16, qs_b, qs_h, ts_b, ts_h, ts_d, cs_b, cs_h,
+                        os_b, os_h, H, G, C, D, n_s, mid_end, k, n_r, width, pairs * i / t, pairs * (i + 1) / t,
+                        qc_b, qc_h, a_b, a_h, co_b, co_h, 0};
         jobs[i] = j;
     }
 #ifdef _OPENMP
@@ -1286,27 +1311,28 @@ int kvpass_tailor_append(const float *kn, int64_t kn_b, int64_t kn_h, int64_t kn
     return 0;
 }
 
-/* sum over rows of cos(a_r, b_r), rows (B, H) of D floats: torch's cosine_similarity (eps 1e-8). */
-double kvpass_cosine_sum(const float *a, int64_t as_b, int64_t as_h, const float *b, int64_t bs_b, int64_t bs_h,
-                         int64_t B, int64_t H, int64_t D) {
-    double total = 0.0;
-    for (int64_t i = 0; i < B; i++)
-        for (int64_t h = 0; h < H; h++) {
-            const float *x = a + i * as_b + h * as_h, *y = b + i * bs_b + h * bs_h;
-            double xy = 0.0, xx = 0.0, yy = 0.0;
-            for (int64_t d = 0; d < D; d++) { xy += (double)x[d] * y[d]; xx += (double)x[d] * x[d]; yy += (double)y[d] * y[d]; }
-            double den = sqrt(xx * yy);
-            total += xy / (den > 1e-8 ? den : 1e-8);
-        }
-    return total;
+/* kvpass_tailor_select and kvpass_tailor_append with their arguments in one int64 array, pointers as
+   integers, in the order of their parameters: a ctypes call converts each argument it passes (about 0.2 us
+   each), and a layer's step sets only the few that change (kvpass.kernels.tailorkv.CpuStep). */
+#define P_(T, x) ((T)(intptr_t)(x))
+int kvpass_tailor_select_packed(const int64_t *a) {
+    return kvpass_tailor_select(P_(const float *, a[0]), a[1], a[2], P_(const void *, a[3]), a[4], a[5], a[6], a[7],
+                                P_(const int64_t *, a[8]), a[9], a[10], P_(const int64_t *, a[11]),
+                                P_(int64_t *, a[12]), a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21],
+                                a[22], a[23], a[24], P_(const float *, a[25]), a[26], a[27], P_(const float *, a[28]),
+                                a[29], a[30], P_(int64_t *, a[31]), a[32], a[33], P_(double *, a[34]));
 }
+int kvpass_tailor_append_packed(const int64_t *a) {
+    return kvpass_tailor_append(P_(const float *, a[0]), a[1], a[2], a[3], P_(const float *, a[4]), a[5], a[6], a[7],
+                                P_(float *, a[8]), a[9], a[10], a[11], P_(float *, a[12]), a[13], a[14], a[15],
+                                P_(void *, a[16]), a[17], a[18], a[19], a[20], P_(float *, a[21]), a[22], a[23],
+                                a[24], a[25], a[26], a[27], a[28]);
+}
+
 """
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_CHANNELS_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I]
-_SELECT_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I] + [_I] * 10
-_COSINE_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I]
-_APPEND_ARGTYPES = [_P, _I, _I, _I] * 4 + [_P, _I, _I, _I, _I, _P, _I, _I] + [_I] * 5
+_SELECT_ARGS, _APPEND_ARGS = 35, 29  # the packed functions' int64 arrays
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
 
@@ -1319,10 +1345,7 @@ def _cpu_fn(symbol: str, argtypes: list, restype=ctypes.c_int):
 
 def cpu_select_available() -> bool:
     """Whether the C functions of a sparse layer's CPU step are built (see :mod:`kvpass.kernels.native`)."""
-    return all(_cpu_fn(s, a, r) is not None for s, a, r in (
-        ("kvpass_tailor_channels", _CHANNELS_ARGTYPES, ctypes.c_int),
-        ("kvpass_tailor_select", _SELECT_ARGTYPES, ctypes.c_int),
-        ("kvpass_cosine_sum", _COSINE_ARGTYPES, ctypes.c_double)))
+    return all(_cpu_fn(s, [_P]) is not None for s in ("kvpass_tailor_select_packed", "kvpass_tailor_append_packed"))
 
 
 def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -1331,28 +1354,148 @@ def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
             and (t.stride(-1) == 1 or t.numel() == 0))
 
 
-def critical_channels_cpu(q: torch.Tensor, kabs_max: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`critical_channels` in one C call: fp32 CPU ``q (B, H_q, D)`` and ``kabs_max (B, H_kv, D)``
-    with contiguous last dims; returns the same ``(B, H_kv, n)`` int64 channels, ascending (up to the
-    rounding of the scores: the C sums add the group in the same order as torch)."""
-    fn = _cpu_fn("kvpass_tailor_channels", _CHANNELS_ARGTYPES)
-    b, h_q, d = q.shape
-    ok = (fn is not None and _plain_cpu(q, torch.float32) and _plain_cpu(kabs_max, torch.float32)
-          and q.dim() == 3 and kabs_max.dim() == 3 and kabs_max.shape[0] == b and kabs_max.shape[2] == d
-          and kabs_max.shape[1] > 0 and h_q % kabs_max.shape[1] == 0 and 0 <= n <= d)
-    if not ok:
-        raise ValueError(
-            "kvpass: critical_channels_cpu needs fp32 CPU q (B, H_q, D) and kabs_max (B, H_kv, D) with contiguous "
-            f"last dims, H_q a multiple of H_kv, 0 <= n <= D and the C kernel built; got q {tuple(q.shape)} "
-            f"{q.dtype}, kabs_max {tuple(kabs_max.shape)} {kabs_max.dtype}, n={n}")
-    h = kabs_max.shape[1]
-    out = torch.empty((b, h, n), dtype=torch.int64)
-    if out.numel():
-        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kabs_max.data_ptr(), kabs_max.stride(0),
-                kabs_max.stride(1), out.data_ptr(), out.stride(0), out.stride(1), b, h, h_q // h, d, n)
+def _queries(q: torch.Tensor | None, b: int, d: int) -> bool:
+    """Whether ``q`` is an fp32 CPU ``(b, H, D)`` or ``(b, H, 1, D)`` (a decode step's query as the op
+    receives it) with a contiguous last dim."""
+    return (q is not None and _plain_cpu(q, torch.float32) and q.shape[0] == b and q.shape[-1] == d
+            and (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)))
+
+
+class CpuStep:
+    """A sparse layer's decode step on CPU, its fixed operands checked once (a state makes one where the
+    buffers change, :meth:`holds`, and checks only the step's queries and tokens after that).
+
+    Args:
+        k, v: ``(B, H_kv, cap, D)`` fp32, the host tier (None: no :meth:`append`).
+        kT: ``(B, H_kv, D, cap)`` fp32 or bf16, its keys channel-major.
+        kabs: ``(B, H_kv, D)`` fp32, the channels' ``max_t |K|`` (None: channels are given to :meth:`select`).
+        first: ``(B,)`` int64, each row's first real position in a left-padded batch (None: 0).
+
+    Raises ValueError where these operands are not what the C kernels read (the message names them)."""
+
+    def __init__(self, k: torch.Tensor | None, v: torch.Tensor | None, kT: torch.Tensor,
+                 kabs: torch.Tensor | None = None, first: torch.Tensor | None = None):
+        self._select_fn = _cpu_fn("kvpass_tailor_select_packed", [_P])
+        self._append_fn = _cpu_fn("kvpass_tailor_append_packed", [_P])
+        ok = (self._select_fn is not None and self._append_fn is not None and kT.dim() == 4
+              and (_plain_cpu(kT, torch.float32) or _plain_cpu(kT, torch.bfloat16)) and kT.shape[1] > 0)
+        b, h, d = kT.shape[:3] if kT.dim() == 4 else (0, 0, 0)
+        cap = kT.shape[3] if ok else 0
+        if ok and k is not None:
+            ok = (v is not None and all(_plain_cpu(x, torch.float32) and x.dim() == 4 for x in (k, v))
+                  and tuple(k.shape[:2]) == (b, h) == tuple(v.shape[:2]) and k.shape[3] == d == v.shape[3])
+            cap = min(cap, k.shape[2], v.shape[2]) if ok else 0
+        ok = ok and (kabs is None or (_plain_cpu(kabs, torch.float32) and tuple(kabs.shape) == (b, h, d)))
+        ok = ok and (first is None or (_plain_cpu(first, torch.int64) and tuple(first.shape) == (b,)
+                                       and first.is_contiguous()))
+        if not ok:
+            raise ValueError(
+                "kvpass: a TailorKV CPU step needs fp32 or bf16 kT (B, H_kv, D, S), fp32 k, v (B, H_kv, S, D) and "
+                "kabs (B, H_kv, D), first None or a contiguous int64 (B,), all CPU with contiguous last dims, and "
+                f"the C kernels built; got kT {tuple(kT.shape)} {kT.dtype}, k "
+                f"{None if k is None else (tuple(k.shape), k.dtype)}, v {None if v is None else (tuple(v.shape), v.dtype)}, "
+                f"kabs {None if kabs is None else (tuple(kabs.shape), kabs.dtype)}, first "
+                f"{None if first is None else (tuple(first.shape), first.dtype)}")
+        self.k, self.v, self.kT, self.kabs, self.first = k, v, kT, kabs, first
+        self.b, self.h, self.d, self.cap = b, h, d, cap
+        # the packed functions' arguments (kvpass_tailor_*_packed), the fixed ones set here
+        kt = (kT.data_ptr(), int(kT.dtype == torch.bfloat16), *kT.stride()[:3])
+        kab = (0, 0, 0) if kabs is None else (kabs.data_ptr(), kabs.stride(0), kabs.stride(1))
+        self._sa = (ctypes.c_int64 * _SELECT_ARGS)()
+        self._sa[3:8] = kt
+        self._sa[11] = 0 if first is None else first.data_ptr()
+        self._sa[15:17] = (b, h)
+        self._sa[19] = d
+        self._sa[28:31] = kab
+        self._aa = None
+        if k is not None:
+            self._aa = (ctypes.c_int64 * _APPEND_ARGS)()
+            self._aa[8:16] = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
+            self._aa[16:24] = (*kt, *kab[:3])
+            self._aa[24:26] = (b, h)
+            self._aa[27] = d
+
+    def holds(self, k, v, kT, kabs, first) -> bool:
+        """Whether this step was made for these very tensors (a replaced buffer needs a new one)."""
+        return self.kT is kT and self.k is k and self.v is v and self.kabs is kabs and self.first is first
+
+    def select(self, q: torch.Tensor, n_sinks: int, mid_end: int, k: int, n_recent: int,
+               ch: torch.Tensor | None = None, q_c: torch.Tensor | None = None, n_channels: int = 0,
+               cos: torch.Tensor | None = None, ch_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The positions this step attends (:func:`tailor_select_cpu`), in one C call.
+
+        Args:
+            q: ``(B, H_q, D)`` or ``(B, H_q, 1, D)`` fp32, the decode queries, ``H_q = G * H_kv``.
+            ch: ``(B, H_kv, C)`` int64 channels to score with; None: picked here, ``n_channels`` per pair,
+                from ``q_c`` (q's shape; the estimated query, or q) and ``kabs`` (:func:`critical_channels`),
+                and written to ``ch_out (B, H_kv, n_channels)`` int64 when given.
+            cos: ``(1,)`` float64; when given, the mean over rows and heads of ``cos(q_c, q)`` is added to it.
+        """
+        b, h, d = self.b, self.h, self.d
+        n = mid_end - n_sinks
+        ok = (_queries(q, b, d) and q.shape[1] % h == 0 and 0 <= n_sinks and n >= 0 and k >= 0
+              and n_recent >= 0 and mid_end <= self.kT.shape[3])
+        if ch is not None:
+            ok = ok and _plain_cpu(ch, torch.int64) and ch.dim() == 3 and tuple(ch.shape[:2]) == (b, h)
+            c = ch.shape[2] if ok else 0
+            chs = (ch.data_ptr(), ch.stride(0), ch.stride(1)) if ok else None
+            q_c, qc = None, (0, 0, 0)
+        else:
+            c = n_channels
+            ok = ok and self.kabs is not None and _queries(q_c, b, d) and q_c.shape[1] == q.shape[1] and 0 <= c <= d
+            chs = (0, 0, 0)
+            qc = (q_c.data_ptr(), q_c.stride(0), q_c.stride(1)) if ok else None
+        ok = ok and (cos is None or (q_c is not None and _plain_cpu(cos, torch.float64) and cos.numel() == 1))
+        ok = ok and (ch_out is None or (ch is None and _plain_cpu(ch_out, torch.int64) and ch_out.dim() == 3
+                                        and tuple(ch_out.shape) == (b, h, c)))
+        if not ok:
+            raise ValueError(
+                "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) or (B, H_q, 1, D) with a contiguous last "
+                "dim, H_q a multiple of H_kv, 0 <= n_sinks <= mid_end <= S, k >= 0, n_recent >= 0, and either "
+                "int64 channels ch (B, H_kv, C) or q_c shaped like q with kabs for 0 <= n_channels <= D (cos a "
+                f"float64 scalar, ch_out int64 (B, H_kv, n_channels)); got q {tuple(q.shape)} {q.dtype}, kT "
+                f"{tuple(self.kT.shape)} {self.kT.dtype}, ch {None if ch is None else (tuple(ch.shape), ch.dtype)}, "
+                f"q_c {None if q_c is None else (tuple(q_c.shape), q_c.dtype)}, n_channels={n_channels}, "
+                f"n_sinks={n_sinks}, mid_end={mid_end}, k={k}, n_recent={n_recent}")
+        out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
+        if not out.numel():
+            return out
+        a = self._sa
+        a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
+        a[8:11] = chs
+        a[12:15] = (out.data_ptr(), out.stride(0), out.stride(1))
+        a[17:19] = (q.shape[1] // h, c)
+        a[20:28] = (n_sinks, mid_end, k, n_recent, torch.get_num_threads(), *qc)
+        a[31:35] = (0, 0, 0, 0) if ch_out is None and cos is None else (
+            *((0, 0, 0) if ch_out is None else (ch_out.data_ptr(), ch_out.stride(0), ch_out.stride(1))),
+            0 if cos is None else cos.data_ptr())
+        rc = self._select_fn(a)
+        if rc == -2:
+            raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")
+        if rc == -3:
+            raise ValueError(f"kvpass: tailor_select_cpu needs each row's first position in [0, mid_end - "
+                             f"n_sinks = {n}]")
+        if rc == -4:
+            raise ValueError(f"kvpass: tailor_select_cpu picks channels for head_dim <= 256, got {d}")
         if rc != 0:
-            raise MemoryError("kvpass: critical_channels_cpu could not allocate its scratch")
-    return out
+            raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
+        return out
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, at: int) -> bool:
+        """The decode append (:func:`tailor_append_cpu`) into this step's ``k, v, kT, kabs``; False, having
+        written nothing, where ``k_new, v_new`` are not fp32 CPU ``(B, H_kv, T, D)`` with contiguous last
+        dims or ``[at, at + T)`` leaves the capacity."""
+        b, h, t, d = k_new.shape
+        if (self._aa is None or self.kabs is None or t == 0 or not _plain_cpu(k_new, torch.float32)
+                or not _plain_cpu(v_new, torch.float32) or (b, h, d) != (self.b, self.h, self.d)
+                or v_new.shape != k_new.shape or at < 0 or at + t > self.cap):
+            return False
+        a = self._aa
+        a[0:8] = (k_new.data_ptr(), *k_new.stride()[:3], v_new.data_ptr(), *v_new.stride()[:3])
+        a[26] = t
+        a[28] = at
+        self._append_fn(a)
+        return True
 
 
 def tailor_select_cpu(
@@ -1376,42 +1519,9 @@ def tailor_select_cpu(
         candidates of :func:`partial_topk_ref`'s scores (``sum_j (sum_g q_g)[ch_j] * K[t, ch_j]``; NaN
         as -inf; ties to the lower position) in position order (every candidate when there are at most
         k), then the recent tokens; a padded row with fewer candidates than the list has room for ends
-        with -1 (skipped by the attention).
+        with -1 (skipped by the attention). :meth:`CpuStep.select` also picks the channels.
     """
-    fn = _cpu_fn("kvpass_tailor_select", _SELECT_ARGTYPES)
-    b, h_q, d = q.shape
-    n = mid_end - n_sinks
-    ok = (fn is not None and _plain_cpu(q, torch.float32)
-          and (_plain_cpu(kT, torch.float32) or _plain_cpu(kT, torch.bfloat16))
-          and _plain_cpu(ch, torch.int64) and q.dim() == 3 and kT.dim() == 4 and ch.dim() == 3
-          and kT.shape[0] == b and kT.shape[2] == d and kT.shape[1] > 0 and h_q % kT.shape[1] == 0
-          and tuple(ch.shape[:2]) == tuple(kT.shape[:2]) and 0 <= n_sinks and n >= 0 and k >= 0
-          and n_recent >= 0 and mid_end <= kT.shape[3]
-          and (first is None or (_plain_cpu(first, torch.int64) and first.shape == (b,) and first.is_contiguous())))
-    if not ok:
-        raise ValueError(
-            "kvpass: tailor_select_cpu needs fp32 CPU q (B, H_q, D) and fp32 or bf16 kT (B, H_kv, D, S) with "
-            "contiguous last dims, int64 ch (B, H_kv, C), 0 <= n_sinks <= mid_end <= S, "
-            f"first None or a contiguous int64 (B,) and the C kernel built; got q {tuple(q.shape)} {q.dtype}, kT "
-            f"{tuple(kT.shape)} {kT.dtype}, ch {tuple(ch.shape)} {ch.dtype}, n_sinks={n_sinks}, "
-            f"mid_end={mid_end}, k={k}, n_recent={n_recent}, first "
-            f"{None if first is None else (tuple(first.shape), first.dtype)}")
-    h = kT.shape[1]
-    out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
-    if out.numel():
-        rc = fn(q.data_ptr(), q.stride(0), q.stride(1), kT.data_ptr(), int(kT.dtype == torch.bfloat16),
-                *kT.stride()[:3], ch.data_ptr(),
-                ch.stride(0), ch.stride(1), None if first is None else first.data_ptr(), out.data_ptr(),
-                out.stride(0), out.stride(1), b, h, h_q // h, ch.shape[2], d, n_sinks, mid_end, k, n_recent,
-                torch.get_num_threads())
-        if rc == -2:
-            raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")
-        if rc == -3:
-            raise ValueError(f"kvpass: tailor_select_cpu needs each row's first position in [0, mid_end - "
-                             f"n_sinks = {n}]")
-        if rc != 0:
-            raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
-    return out
+    return CpuStep(None, None, kT, None, first).select(q, n_sinks, mid_end, k, n_recent, ch=ch)
 
 
 def quant_attention_cpu_supports(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res) -> bool:
@@ -1465,27 +1575,8 @@ def tailor_append_cpu(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor,
     tokens, in place. fp32 CPU tensors with contiguous last dims (kT: its last dim); returns False, having
     written nothing, where these operands do not qualify or the C library is not built (the caller then
     runs its torch ops)."""
-    fn = _cpu_fn("kvpass_tailor_append", _APPEND_ARGTYPES)
-    b, h, t, d = k_new.shape
-    if (fn is None or t == 0 or not all(_plain_cpu(x, torch.float32) for x in (k_new, v_new, k, v, kabs))
-            or not _plain_cpu(kT, kT.dtype) or kT.dtype not in (torch.bfloat16, torch.float32)
-            or tuple(v_new.shape) != (b, h, t, d) or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:2]) != (b, h)
-            or k.shape[3] != d or v.shape[3] != d or tuple(kT.shape[:3]) != (b, h, d)
-            or tuple(kabs.shape) != (b, h, d) or at < 0 or at + t > min(k.shape[2], v.shape[2], kT.shape[3])):
+    try:
+        step = CpuStep(k, v, kT, kabs)
+    except ValueError:
         return False
-    fn(k_new.data_ptr(), *k_new.stride()[:3], v_new.data_ptr(), *v_new.stride()[:3],
-       k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
-       kT.data_ptr(), int(kT.dtype == torch.bfloat16), *kT.stride()[:3], kabs.data_ptr(), *kabs.stride()[:2],
-       b, h, t, d, at)
-    return True
-
-
-def cosine_sum_cpu(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``F.cosine_similarity(a, b, dim=-1).sum()`` of fp32 CPU ``(B, H, D)`` tensors with contiguous last
-    dims, in one C call (float64 sums), as a Python float."""
-    fn = _cpu_fn("kvpass_cosine_sum", _COSINE_ARGTYPES, ctypes.c_double)
-    if fn is None or not (_plain_cpu(a, torch.float32) and _plain_cpu(b, torch.float32) and a.dim() == 3
-                          and a.shape == b.shape):
-        raise ValueError(f"kvpass: cosine_sum_cpu needs two fp32 CPU (B, H, D) tensors of one shape with a "
-                         f"contiguous last dim and the C kernel built; got {tuple(a.shape)}, {tuple(b.shape)}")
-    return float(fn(a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1), *a.shape))
+    return step.append(k_new, v_new, at)

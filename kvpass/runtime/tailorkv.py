@@ -162,6 +162,7 @@ class TailorState(SiteState):
 
         self.store = OwnedKV(host=True)  # the host tier of a sparse layer (unused by a quantised one)
         self.cos_sum = None  # sum over steps of the estimate's cosine similarity to the true query
+        self.cos_c = torch.zeros(1, dtype=torch.float64)  # the same sum, added by the C selection (in_c)
         self.cos_n = 0
 
     def reset(self) -> None:
@@ -179,10 +180,11 @@ class TailorState(SiteState):
         self.kT: torch.Tensor | None = None  # (B, H_kv, D, capacity): host-tier keys, channel-major (bf16 for fp32)
         self.ch: torch.Tensor | None = None  # (B, H_kv, c) channels prefetched for this step
         self.k_ch: torch.Tensor | None = None  # (B, H_kv, candidates, c) their keys
-        self.q_hat: torch.Tensor | None = None
+        self.q_hat: torch.Tensor | None = None  # this step's estimate (B, H_q, 1, D), as the op receives it
         self.sel_k = self.sel_v = None
         self.plan = None  # (n_sinks, picked positions (B, H_kv, k) or None, n_recent) of this step
         self.in_c = False  # CPU: the C kernels read the host tier in place (module docstring)
+        self.cpu_step = None  # in_c: the C step over this layer's buffers (kvpass.kernels.tailorkv.CpuStep)
         self.n_s = 0  # sinks held (fixed when the sequence is loaded)
         self.listed: torch.Tensor | None = None  # in_c: (B, H_kv, N) positions this step attends
         self.channel_bytes = 0  # the critical channels of the candidates read (or copied) this step
@@ -312,19 +314,21 @@ class TailorState(SiteState):
 
     def prefetch(self, q_hat: torch.Tensor, past: int, estimated: bool) -> torch.Tensor:
         """``kvpass::prefetch``: pick the critical channels of this layer from ``q_hat (B, H_q, 1, D)``
-        and copy those key channels of the top-k candidates from the host tier."""
+        and copy those key channels of the top-k candidates from the host tier (on the CPU path, keep
+        ``q_hat`` for the fetch, which picks the channels in its C call)."""
         ticket = torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
         self.ch = self.k_ch = self.q_hat = None
         if self.tier != SPARSE or q_hat.shape[2] != 1 or past == 0 or past != self.logical:
             return ticket  # prefill, a quantised layer, or a sequence this state has not loaded
         t0 = time.perf_counter()
-        if q_hat.shape[0] == self.kabs.shape[0]:
+        # on the CPU path the fetch's C call picks the channels from the estimate (no copy to overlap)
+        if not self.in_c and q_hat.shape[0] == self.kabs.shape[0]:
             with _range("kvpass.select"):
                 self._prefetch(q_hat[:, :, 0], past + 1)
         # else the batch size changed since the last step (beam search expanded it): the attention, which
         # sees the new rows, reorders this state and prefetches for them (see _reorder)
-        if estimated:
-            self.q_hat = q_hat[:, :, 0].clone()  # Inductor may reuse the input buffer after the op
+        if estimated:  # Inductor may reuse the input buffer after the op: a copy
+            self.q_hat = q_hat.clone(memory_format=torch.contiguous_format)
         self.overhead_decode_s += time.perf_counter() - t0
         return ticket
 
@@ -345,16 +349,6 @@ class TailorState(SiteState):
             return  # every candidate is fetched: nothing to score
         c = min(p.critical_channels, q_hat.shape[-1])
         n = mid_end - n_s
-        if self._in_c(q_hat):
-            from kvpass.kernels.tailorkv import critical_channels_cpu
-
-            self.ch = critical_channels_cpu(q_hat, self.kabs, c)  # the fetch reads these rows of kT in place
-            # every row's own candidates (a padded row's start later by its padding)
-            n_all = self.ch.shape[0] * n - self.first_sum
-            self.channel_bytes = self.ch.shape[1] * c * n_all * self.kT.element_size()
-            self.bytes_moved += self.channel_bytes  # what a GPU's prefetch copies
-            self.prefetched += self.channel_bytes
-            return
         self._c_only()
         self.ch = critical_channels(q_hat, self.kabs, c)  # (B, H_kv, c)
         b, h = self.ch.shape[:2]
@@ -384,6 +378,11 @@ class TailorState(SiteState):
         if self.tier != SPARSE or q.shape[2] != 1 or past == 0 or past != self.logical:
             return ticket
         t0 = time.perf_counter()
+        if self._in_c(q) and q.shape[0] == self.kabs.shape[0]:
+            with _range("kvpass.select"):
+                self._fetch_in_c(q, past + 1, cosine=True)
+            self.overhead_decode_s += time.perf_counter() - t0
+            return ticket
         if self.q_hat is not None:
             self._estimate_cosine(q[:, :, 0])
         self._wait(q.device)
@@ -395,13 +394,8 @@ class TailorState(SiteState):
 
     def _estimate_cosine(self, q: torch.Tensor) -> None:
         """Add this step's mean cosine similarity of the estimate ``q̂`` to the true ``q (B, H_q, D)``
-        (kept on the device: no host sync; the C sum on CPU, where a Python float is no sync)."""
-        if self._in_c(q, self.q_hat):
-            from kvpass.kernels.tailorkv import cosine_sum_cpu
-
-            cos = cosine_sum_cpu(self.q_hat, q) / (q.shape[0] * q.shape[1])
-        else:
-            cos = F.cosine_similarity(self.q_hat.float(), q.float(), dim=-1).mean()
+        (kept on the device: no host sync; the CPU path's C selection adds it to ``cos_c`` itself)."""
+        cos = F.cosine_similarity(self.q_hat.reshape(q.shape).float(), q.float(), dim=-1).mean()
         self.cos_sum = cos if self.cos_sum is None else self.cos_sum + cos
         self.cos_n += 1
 
@@ -420,15 +414,7 @@ class TailorState(SiteState):
         host_k, host_v = self.store.k, self.store.v
         dev = q.device
         if self._in_c(q):
-            from kvpass.kernels.tailorkv import tailor_select_cpu
-
-            if n_mid > p.topk and self.ch is None:  # no prefetch ran for this step (an adopted cache)
-                self._prefetch(q, length)
-            ch = self.ch if self.ch is not None else q.new_zeros((*self.kabs.shape[:2], 0), dtype=torch.int64)
-            self.listed = tailor_select_cpu(q, self.kT, ch, n_s, mid_end, p.topk, n_r, self.first)
-            kk = min(p.topk, max(n_mid, 0))
-            self.bytes_moved += 2 * self.listed.shape[0] * self.listed.shape[1] * kk * host_k.shape[3] * host_k.element_size()
-            self.plan = (n_s, kk, n_r)
+            self._fetch_in_c(q, length, cosine=False)
             return
         self._c_only()
         if n_mid <= 0:
@@ -446,6 +432,37 @@ class TailorState(SiteState):
             self.sel_v = take_rows(host_v, picked).to(dev, non_blocking=True)
             self.bytes_moved += self.sel_k.numel() * self.sel_k.element_size() + self.sel_v.numel() * self.sel_v.element_size()
         self.plan = (n_s, picked, n_r)
+
+    def _fetch_in_c(self, q: torch.Tensor, length: int, cosine: bool) -> None:
+        """The CPU path's fetch, one C call: the critical channels from the estimate ``q̂`` (the true query
+        where no estimate came: the first layer, an adopted cache), the top-k by them, the list of positions
+        this step attends; with ``cosine``, ``cos(q̂, q)`` added to ``cos_c``. ``q (B, H_q, [1,] D)``."""
+        p = self.policy
+        n_s, mid_end, n_r = self._ranges(length)
+        n = mid_end - n_s
+        q_c = self.q_hat if self.q_hat is not None else q
+        cos = self.cos_c if cosine and self.q_hat is not None else None
+        self.listed = self._cpu_step().select(q, n_s, mid_end, p.topk, n_r, q_c=q_c, cos=cos,
+                                              n_channels=min(p.critical_channels, self.kT.shape[2]))
+        b, h, d = self.cpu_step.b, self.cpu_step.h, self.cpu_step.d
+        if cos is not None:
+            self.cos_n += 1
+        if n > p.topk:  # what a GPU's prefetch copies: the critical channels of every row's own candidates
+            self.channel_bytes = h * min(p.critical_channels, d) * (b * n - self.first_sum) * self.kT.element_size()
+            self.bytes_moved += self.channel_bytes
+            self.prefetched += self.channel_bytes
+        kk = min(p.topk, max(n, 0))
+        self.bytes_moved += 2 * b * h * kk * d * self.store.k.element_size()  # the fetched rows
+        self.plan = (n_s, kk, n_r)
+
+    def _cpu_step(self):
+        """The C step over this layer's current buffers (a new one where a buffer was replaced)."""
+        from kvpass.kernels.tailorkv import CpuStep
+
+        st, c = self.store, self.cpu_step
+        if c is None or not c.holds(st.k, st.v, self.kT, self.kabs, self.first):
+            c = self.cpu_step = CpuStep(st.k, st.v, self.kT, self.kabs, self.first)
+        return c
 
     def _c_only(self) -> None:
         """The torch path has no per-row offsets: a padded batch served in place must stay on the C path."""
@@ -541,8 +558,10 @@ class TailorState(SiteState):
             redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
             self._wait(q.device)
             self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = self.listed = None
-            if redo:
-                self._prefetch(self.q_hat if self.q_hat is not None else q[:, :, 0], length)
+            if redo and self._in_c(q):
+                self._fetch_in_c(q, length, cosine=False)
+            elif redo:
+                self._prefetch((self.q_hat if self.q_hat is not None else q)[:, :, 0], length)
                 self._wait(q.device)
                 self._fetch(q[:, :, 0], length)
         self.overhead_decode_s += time.perf_counter() - t0
@@ -621,8 +640,6 @@ class TailorState(SiteState):
         """The new tokens into the host tier and the channel-major keys; with ``kabs``, also the running
         max of |k| (fp32 here: the in-C path). One C call where the operands allow (a decode step's five
         ops otherwise)."""
-        from kvpass.kernels.tailorkv import tailor_append_cpu
-
         st = self.store
         end = st.length + k_new.shape[2]
         st._reserve(k_new, v_new, end)
@@ -631,7 +648,7 @@ class TailorState(SiteState):
             kT[..., : st.length] = self.kT[..., : st.length]
             kT[..., st.length :].zero_()
             self.kT = kT
-        if not (kabs and tailor_append_cpu(k_new, v_new, st.k, st.v, self.kT, self.kabs, st.length)):
+        if not (kabs and self._cpu_step().append(k_new, v_new, st.length)):
             st.k[:, :, st.length : end] = k_new
             st.v[:, :, st.length : end] = v_new
             self.kT[:, :, :, st.length : end] = k_new.transpose(2, 3)
@@ -742,7 +759,8 @@ class TailorState(SiteState):
 
     def estimate_cosine(self) -> float:
         """Mean cosine similarity of the estimated query to the true one (NaN: no estimate)."""
-        return float(self.cos_sum) / self.cos_n if self.cos_n else float("nan")
+        total = float(self.cos_c) + (float(self.cos_sum) if self.cos_sum is not None else 0.0)
+        return total / self.cos_n if self.cos_n else float("nan")
 
     def row(self):
         r = super().row()
