@@ -1411,7 +1411,7 @@ class CpuStep:
         if k is not None:
             self._aa = (ctypes.c_int64 * _APPEND_ARGS)()
             self._aa[8:16] = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
-            self._aa[16:24] = (*kt, *kab[:3])
+            self._aa[16:24] = (*kt, *kab)
             self._aa[24:26] = (b, h)
             self._aa[27] = d
 
@@ -1466,9 +1466,8 @@ class CpuStep:
         a[12:15] = (out.data_ptr(), out.stride(0), out.stride(1))
         a[17:19] = (q.shape[1] // h, c)
         a[20:28] = (n_sinks, mid_end, k, n_recent, torch.get_num_threads(), *qc)
-        a[31:35] = (0, 0, 0, 0) if ch_out is None and cos is None else (
-            *((0, 0, 0) if ch_out is None else (ch_out.data_ptr(), ch_out.stride(0), ch_out.stride(1))),
-            0 if cos is None else cos.data_ptr())
+        co = (0, 0, 0) if ch_out is None else (ch_out.data_ptr(), ch_out.stride(0), ch_out.stride(1))
+        a[31:35] = (*co, 0 if cos is None else cos.data_ptr())
         rc = self._select_fn(a)
         if rc == -2:
             raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")

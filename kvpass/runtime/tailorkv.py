@@ -296,9 +296,9 @@ class TailorState(SiteState):
             own = torch.arange(length, device=k.device) >= self.first.to(k.device)[:, None]  # (B, L)
             self.kabs = k.abs().mul_(own[:, None, :, None]).amax(dim=2).float().to(dev)
 
-    def _in_c(self, *ts: torch.Tensor) -> bool:
-        """Whether this step's C path serves queries ``ts`` (fp32, a contiguous last dim) on an ``in_c`` layer."""
-        return self.in_c and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in ts)
+    def _in_c(self, q: torch.Tensor) -> bool:
+        """Whether this step's C path serves the query ``q`` (fp32, a contiguous last dim) on an ``in_c`` layer."""
+        return self.in_c and q.dtype == torch.float32 and q.stride(-1) == 1
 
     # -- the ops ---------------------------------------------------------------------------------
     def _channel_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -439,16 +439,15 @@ class TailorState(SiteState):
         this step attends; with ``cosine``, ``cos(q̂, q)`` added to ``cos_c``. ``q (B, H_q, [1,] D)``."""
         p = self.policy
         n_s, mid_end, n_r = self._ranges(length)
-        n = mid_end - n_s
+        n, c = mid_end - n_s, min(p.critical_channels, self.kT.shape[2])
         q_c = self.q_hat if self.q_hat is not None else q
         cos = self.cos_c if cosine and self.q_hat is not None else None
-        self.listed = self._cpu_step().select(q, n_s, mid_end, p.topk, n_r, q_c=q_c, cos=cos,
-                                              n_channels=min(p.critical_channels, self.kT.shape[2]))
+        self.listed = self._cpu_step().select(q, n_s, mid_end, p.topk, n_r, q_c=q_c, cos=cos, n_channels=c)
         b, h, d = self.cpu_step.b, self.cpu_step.h, self.cpu_step.d
         if cos is not None:
             self.cos_n += 1
         if n > p.topk:  # what a GPU's prefetch copies: the critical channels of every row's own candidates
-            self.channel_bytes = h * min(p.critical_channels, d) * (b * n - self.first_sum) * self.kT.element_size()
+            self.channel_bytes = h * c * (b * n - self.first_sum) * self.kT.element_size()
             self.bytes_moved += self.channel_bytes
             self.prefetched += self.channel_bytes
         kk = min(p.topk, max(n, 0))
