@@ -733,6 +733,70 @@ def test_tailor_select_cpu_matches_naive_loop_past_a_tile(padded, dtype):
         torch.set_num_threads(threads)
 
 
+def oracle_step_list(q, kT, ch, n_s, mid_end, k, n_r, first=None):
+    """naive_step_list in torch ops, for many candidates: float64 scores (exact for integer values), a
+    stable sort by descending score (ties to the lower position), NaN as -inf."""
+    B, H_q, _ = q.shape
+    H = kT.shape[1]
+    G = H_q // H
+    width = n_s + min(k, mid_end - n_s) + n_r
+    out = torch.full((B, H, width), -1, dtype=torch.int64)
+    for b in range(B):
+        f = 0 if first is None else int(first[b])
+        for h in range(H):
+            qs = q[b, h * G : (h + 1) * G].double().sum(0)
+            c = ch[b, h]
+            pos = torch.arange(f + n_s, mid_end)
+            if len(pos) > k:
+                s = (qs[c, None] * kT[b, h][c][:, f + n_s : mid_end].double()).sum(0).nan_to_num(nan=-math.inf)
+                pos = pos[torch.sort(-s, stable=True).indices[:k]].sort().values
+            row = torch.cat([torch.arange(f, f + n_s), pos, torch.arange(mid_end, mid_end + n_r)])
+            out[b, h, : len(row)] = row
+    return out
+
+
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 2), G=st.sampled_from([1, 3]), S=st.integers(2100, 6000),
+       k_frac=st.floats(0.0, 0.5), spread=st.sampled_from([1, 3, 1000]), c=st.integers(1, 8),
+       nan=st.booleans(), padded=st.booleans(), bf16=st.booleans(), seed=SEEDS)
+def test_tailor_select_cpu_few_of_many_matches_the_oracle(B, H_kv, G, S, k_frac, spread, c, nan, padded, bf16,
+                                                          seed):
+    """A few of many candidates (k at most half of 2k+ candidates): the kernel cuts them from a sampled
+    threshold. Integer queries and keys from [-spread, spread] (many ties at the cut with a small spread,
+    few with a large one), NaN keys, a padded batch with rows of every length: the oracle's list."""
+    gen = torch.Generator().manual_seed(seed)
+    D, n_s, n_r = 16, 4, 8
+    mid_end = S - n_r
+    q = torch.randint(-spread, spread + 1, (B, H_kv * G, D), generator=gen).float()
+    kT = torch.randint(-spread, spread + 1, (B, H_kv, D, S), generator=gen).float()
+    ch = torch.randint(0, D, (B, H_kv, c), generator=gen)
+    if nan:
+        kT[:, :, :, torch.randint(n_s, mid_end, (50,), generator=gen)] = float("nan")
+    first = torch.randint(0, 2000, (B,), generator=gen) if padded else None
+    k = int(k_frac * (mid_end - n_s - (0 if first is None else int(first.max()))))
+    if bf16:
+        kT = kT.bfloat16()  # integers up to 1000: bf16 rounds some, read back as the oracle reads them
+    got = tailor_select_cpu(q, kT, ch, n_s, mid_end, k, n_r, first)
+    assert torch.equal(got, oracle_step_list(q, kT, ch, n_s, mid_end, k, n_r, first))
+
+
+@pytest.mark.parametrize("k", [600, 1000])
+def test_tailor_select_cpu_few_of_many_when_the_sample_misleads(k):
+    """The candidates the kernel samples for its threshold score high and all others low: fewer than k
+    pass the threshold, so the kernel falls back to the full radix select; the list is still the
+    oracle's."""
+    D, S = 8, 2048 + 16
+    n = S - 16
+    q = torch.ones(1, 1, D)
+    kT = torch.zeros(1, 1, D, S)
+    low = torch.zeros(S, dtype=torch.bool)
+    low[16:] = torch.arange(n) % 7 == 3
+    kT[0, 0, 0, low] = 1.0  # ties among the low scores
+    kT[0, 0, 0, 16 + torch.arange(512) * n // 512] = 5.0  # the positions a stride of n / 512 samples
+    ch = torch.zeros(1, 1, 1, dtype=torch.int64)
+    got = tailor_select_cpu(q, kT, ch, 16, S, k, 0)
+    assert torch.equal(got, oracle_step_list(q, kT, ch, 16, S, k, 0))
+
+
 def test_tailor_select_cpu_equals_partial_topk_on_random_keys():
     """Gaussian scores (no ties): the same top k as partial_topk_ref over the prefetched channels."""
     gen = torch.Generator().manual_seed(3)

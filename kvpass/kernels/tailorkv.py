@@ -903,24 +903,91 @@ static inline uint32_t in_mask16(const uint32_t *x, uint32_t pm, uint32_t pre) {
 }
 #endif
 
-/* The cut of the k largest of key[0, n) (1 <= k < n) by a radix select on 11/11/10 bits: every key
-   above *cut is taken, and the first *eq keys equal to it (in position order: ties to the lower
-   position). The first pass counts all n keys (an L1-sized histogram; `h0` may hold that count already,
-   made while the keys were written); the next ones only the keys of the bucket that holds the cut,
-   copied to sub (n). */
-static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, const uint32_t *h0,
-                    uint32_t *cut, int64_t *eq) {
-    static const int shift[3] = {21, 10, 0};
-    static const uint32_t width[3] = {2048, 2048, 1024};
+/* bfloat16 (the high half of the fp32 bits) to fp32: one value, VW values (one widening load) */
+static inline float bf16f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+static inline vf bf16v(const uint16_t *p) {
+#if defined(__AVX512F__) && VW == 16
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__) && VW == 8
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    vf x;
+    for (int i = 0; i < VW; i++) x[i] = bf16f(p[i]);
+    return x;
+#endif
+}
+
+/* The scores sc[t] = sum_c w[c] * kt[cb[c] * ts_d + off + t] of a tile's m candidates, in that order
+   (0 + w_0 x_0 + w_1 x_1 + ...: the same sum as one channel row at a time), bf16 or fp32 rows. 4 VW
+   candidates at a time in four registers: one register's sum is a chain of C dependent adds. */
+static inline __attribute__((always_inline)) void score_tile(const void *kt, const int bf16, const int64_t *cb,
+                                                             const float *w, int64_t C, int64_t ts_d, int64_t off,
+                                                             int64_t m, float *sc) {
+    const uint16_t *kh = (const uint16_t *)kt + off;
+    const float *kf = (const float *)kt + off;
+    int64_t t = 0;
+    for (; t + 4 * VW <= m; t += 4 * VW) {
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t c = 0; c < C; c++) {
+            const int64_t r = cb[c] * ts_d + t;
+            if (bf16) {
+                a0 += w[c] * bf16v(kh + r); a1 += w[c] * bf16v(kh + r + VW);
+                a2 += w[c] * bf16v(kh + r + 2 * VW); a3 += w[c] * bf16v(kh + r + 3 * VW);
+            } else {
+                a0 += w[c] * loadv(kf + r); a1 += w[c] * loadv(kf + r + VW);
+                a2 += w[c] * loadv(kf + r + 2 * VW); a3 += w[c] * loadv(kf + r + 3 * VW);
+            }
+        }
+        storev(sc + t, a0); storev(sc + t + VW, a1); storev(sc + t + 2 * VW, a2); storev(sc + t + 3 * VW, a3);
+    }
+    for (; t + VW <= m; t += VW) {
+        vf a = {0};
+        for (int64_t c = 0; c < C; c++)
+            a += w[c] * (bf16 ? bf16v(kh + cb[c] * ts_d + t) : loadv(kf + cb[c] * ts_d + t));
+        storev(sc + t, a);
+    }
+    for (; t < m; t++) {
+        float a = 0.f;
+        for (int64_t c = 0; c < C; c++) a += w[c] * (bf16 ? bf16f(kh[cb[c] * ts_d + t]) : kf[cb[c] * ts_d + t]);
+        sc[t] = a;
+    }
+}
+
+/* The cut of the k largest of key[0, n) (1 <= k < n) by a radix select on `lv` levels of width[i] buckets
+   (the key's bits from shift[i]): every key above *cut is taken, and the first *eq keys equal to it (in
+   position order: ties to the lower position). The first pass counts all n keys (`h0` may hold that count
+   already, made while the keys were written); the next ones only the keys of the bucket that holds the
+   cut, copied to sub (n). */
+static void radix_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, const uint32_t *h0, int levels,
+                      const int *shift, const uint32_t *width, uint32_t *cut, int64_t *eq) {
     uint32_t hist[2048], prefix = 0, pmask = 0;
     const uint32_t *x = key;
     int64_t need = k, m = n;
-    for (int lv = 0; lv < 3; lv++) {
+    for (int lv = 0; lv < levels; lv++) {
         uint32_t bm = width[lv] - 1;
         if (lv == 0 && h0) {
-            memcpy(hist, h0, sizeof hist);
+            memcpy(hist, h0, sizeof(uint32_t) * width[0]);
+        } else if (width[lv] <= 256) {
+            /* four histograms, summed: keys that share a bucket (most of them, at the top bits of scores of
+               one magnitude) would otherwise wait on each other's increment */
+            uint32_t h4[4][256];
+            memset(h4, 0, sizeof h4);
+            int64_t t = 0;
+            for (; t + 4 <= m; t += 4) {
+                h4[0][(x[t] >> shift[lv]) & bm]++;
+                h4[1][(x[t + 1] >> shift[lv]) & bm]++;
+                h4[2][(x[t + 2] >> shift[lv]) & bm]++;
+                h4[3][(x[t + 3] >> shift[lv]) & bm]++;
+            }
+            for (; t < m; t++) h4[0][(x[t] >> shift[lv]) & bm]++;
+            for (uint32_t i = 0; i < width[lv]; i++) hist[i] = (h4[0][i] + h4[1][i]) + (h4[2][i] + h4[3][i]);
         } else {
-            memset(hist, 0, sizeof hist);
+            memset(hist, 0, sizeof(uint32_t) * width[lv]);
             for (int64_t t = 0; t < m; t++) hist[(x[t] >> shift[lv]) & bm]++;
         }
         int64_t b = (int64_t)width[lv] - 1, above = 0;
@@ -938,6 +1005,22 @@ static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, co
     }
     *cut = prefix;
     *eq = need;
+}
+
+/* radix_cut on 11/11/10 bits: an L1-sized first histogram for many keys */
+static void top_cut(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, const uint32_t *h0,
+                    uint32_t *cut, int64_t *eq) {
+    static const int shift[3] = {21, 10, 0};
+    static const uint32_t width[3] = {2048, 2048, 1024};
+    radix_cut(key, n, k, sub, h0, 3, shift, width, cut, eq);
+}
+
+/* radix_cut on 8/8/8/8 bits: for a few keys, where clearing and scanning 2048 buckets a level would cost
+   more than counting them */
+static void top_cut_small(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub, uint32_t *cut, int64_t *eq) {
+    static const int shift[4] = {24, 16, 8, 0};
+    static const uint32_t width[4] = {256, 256, 256, 256};
+    radix_cut(key, n, k, sub, NULL, 4, shift, width, cut, eq);
 }
 
 /* Writes at o the positions first + t of the k largest keys of key[0, n) (ties to the lower t) in
@@ -977,6 +1060,129 @@ static int64_t take_top(const uint32_t *key, int64_t n, int64_t k, uint32_t *sub
     return j;
 }
 
+/* The keys key[t] >= thr (unsigned) of key[0, n) packed in order to ck, their positions t to cp; returns
+   how many. No branch on the keys: a vector of them is compared, its kept lanes moved to the front (AVX-512's
+   compress, AVX2's permute by a table of the 256 masks) and stored whole, the count moving on by the
+   number kept; a store writes at most up to ck[t + lanes], inside [0, n) since the count is never past t. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+static const uint8_t LEFTPACK[256][8] = {
+    {0,0,0,0,0,0,0,0}, {0,0,0,0,0,0,0,0}, {1,0,0,0,0,0,0,0}, {0,1,0,0,0,0,0,0}, {2,0,0,0,0,0,0,0}, {0,2,0,0,0,0,0,0},
+    {1,2,0,0,0,0,0,0}, {0,1,2,0,0,0,0,0}, {3,0,0,0,0,0,0,0}, {0,3,0,0,0,0,0,0}, {1,3,0,0,0,0,0,0}, {0,1,3,0,0,0,0,0},
+    {2,3,0,0,0,0,0,0}, {0,2,3,0,0,0,0,0}, {1,2,3,0,0,0,0,0}, {0,1,2,3,0,0,0,0}, {4,0,0,0,0,0,0,0}, {0,4,0,0,0,0,0,0},
+    {1,4,0,0,0,0,0,0}, {0,1,4,0,0,0,0,0}, {2,4,0,0,0,0,0,0}, {0,2,4,0,0,0,0,0}, {1,2,4,0,0,0,0,0}, {0,1,2,4,0,0,0,0},
+    {3,4,0,0,0,0,0,0}, {0,3,4,0,0,0,0,0}, {1,3,4,0,0,0,0,0}, {0,1,3,4,0,0,0,0}, {2,3,4,0,0,0,0,0}, {0,2,3,4,0,0,0,0},
+    {1,2,3,4,0,0,0,0}, {0,1,2,3,4,0,0,0}, {5,0,0,0,0,0,0,0}, {0,5,0,0,0,0,0,0}, {1,5,0,0,0,0,0,0}, {0,1,5,0,0,0,0,0},
+    {2,5,0,0,0,0,0,0}, {0,2,5,0,0,0,0,0}, {1,2,5,0,0,0,0,0}, {0,1,2,5,0,0,0,0}, {3,5,0,0,0,0,0,0}, {0,3,5,0,0,0,0,0},
+    {1,3,5,0,0,0,0,0}, {0,1,3,5,0,0,0,0}, {2,3,5,0,0,0,0,0}, {0,2,3,5,0,0,0,0}, {1,2,3,5,0,0,0,0}, {0,1,2,3,5,0,0,0},
+    {4,5,0,0,0,0,0,0}, {0,4,5,0,0,0,0,0}, {1,4,5,0,0,0,0,0}, {0,1,4,5,0,0,0,0}, {2,4,5,0,0,0,0,0}, {0,2,4,5,0,0,0,0},
+    {1,2,4,5,0,0,0,0}, {0,1,2,4,5,0,0,0}, {3,4,5,0,0,0,0,0}, {0,3,4,5,0,0,0,0}, {1,3,4,5,0,0,0,0}, {0,1,3,4,5,0,0,0},
+    {2,3,4,5,0,0,0,0}, {0,2,3,4,5,0,0,0}, {1,2,3,4,5,0,0,0}, {0,1,2,3,4,5,0,0}, {6,0,0,0,0,0,0,0}, {0,6,0,0,0,0,0,0},
+    {1,6,0,0,0,0,0,0}, {0,1,6,0,0,0,0,0}, {2,6,0,0,0,0,0,0}, {0,2,6,0,0,0,0,0}, {1,2,6,0,0,0,0,0}, {0,1,2,6,0,0,0,0},
+    {3,6,0,0,0,0,0,0}, {0,3,6,0,0,0,0,0}, {1,3,6,0,0,0,0,0}, {0,1,3,6,0,0,0,0}, {2,3,6,0,0,0,0,0}, {0,2,3,6,0,0,0,0},
+    {1,2,3,6,0,0,0,0}, {0,1,2,3,6,0,0,0}, {4,6,0,0,0,0,0,0}, {0,4,6,0,0,0,0,0}, {1,4,6,0,0,0,0,0}, {0,1,4,6,0,0,0,0},
+    {2,4,6,0,0,0,0,0}, {0,2,4,6,0,0,0,0}, {1,2,4,6,0,0,0,0}, {0,1,2,4,6,0,0,0}, {3,4,6,0,0,0,0,0}, {0,3,4,6,0,0,0,0},
+    {1,3,4,6,0,0,0,0}, {0,1,3,4,6,0,0,0}, {2,3,4,6,0,0,0,0}, {0,2,3,4,6,0,0,0}, {1,2,3,4,6,0,0,0}, {0,1,2,3,4,6,0,0},
+    {5,6,0,0,0,0,0,0}, {0,5,6,0,0,0,0,0}, {1,5,6,0,0,0,0,0}, {0,1,5,6,0,0,0,0}, {2,5,6,0,0,0,0,0}, {0,2,5,6,0,0,0,0},
+    {1,2,5,6,0,0,0,0}, {0,1,2,5,6,0,0,0}, {3,5,6,0,0,0,0,0}, {0,3,5,6,0,0,0,0}, {1,3,5,6,0,0,0,0}, {0,1,3,5,6,0,0,0},
+    {2,3,5,6,0,0,0,0}, {0,2,3,5,6,0,0,0}, {1,2,3,5,6,0,0,0}, {0,1,2,3,5,6,0,0}, {4,5,6,0,0,0,0,0}, {0,4,5,6,0,0,0,0},
+    {1,4,5,6,0,0,0,0}, {0,1,4,5,6,0,0,0}, {2,4,5,6,0,0,0,0}, {0,2,4,5,6,0,0,0}, {1,2,4,5,6,0,0,0}, {0,1,2,4,5,6,0,0},
+    {3,4,5,6,0,0,0,0}, {0,3,4,5,6,0,0,0}, {1,3,4,5,6,0,0,0}, {0,1,3,4,5,6,0,0}, {2,3,4,5,6,0,0,0}, {0,2,3,4,5,6,0,0},
+    {1,2,3,4,5,6,0,0}, {0,1,2,3,4,5,6,0}, {7,0,0,0,0,0,0,0}, {0,7,0,0,0,0,0,0}, {1,7,0,0,0,0,0,0}, {0,1,7,0,0,0,0,0},
+    {2,7,0,0,0,0,0,0}, {0,2,7,0,0,0,0,0}, {1,2,7,0,0,0,0,0}, {0,1,2,7,0,0,0,0}, {3,7,0,0,0,0,0,0}, {0,3,7,0,0,0,0,0},
+    {1,3,7,0,0,0,0,0}, {0,1,3,7,0,0,0,0}, {2,3,7,0,0,0,0,0}, {0,2,3,7,0,0,0,0}, {1,2,3,7,0,0,0,0}, {0,1,2,3,7,0,0,0},
+    {4,7,0,0,0,0,0,0}, {0,4,7,0,0,0,0,0}, {1,4,7,0,0,0,0,0}, {0,1,4,7,0,0,0,0}, {2,4,7,0,0,0,0,0}, {0,2,4,7,0,0,0,0},
+    {1,2,4,7,0,0,0,0}, {0,1,2,4,7,0,0,0}, {3,4,7,0,0,0,0,0}, {0,3,4,7,0,0,0,0}, {1,3,4,7,0,0,0,0}, {0,1,3,4,7,0,0,0},
+    {2,3,4,7,0,0,0,0}, {0,2,3,4,7,0,0,0}, {1,2,3,4,7,0,0,0}, {0,1,2,3,4,7,0,0}, {5,7,0,0,0,0,0,0}, {0,5,7,0,0,0,0,0},
+    {1,5,7,0,0,0,0,0}, {0,1,5,7,0,0,0,0}, {2,5,7,0,0,0,0,0}, {0,2,5,7,0,0,0,0}, {1,2,5,7,0,0,0,0}, {0,1,2,5,7,0,0,0},
+    {3,5,7,0,0,0,0,0}, {0,3,5,7,0,0,0,0}, {1,3,5,7,0,0,0,0}, {0,1,3,5,7,0,0,0}, {2,3,5,7,0,0,0,0}, {0,2,3,5,7,0,0,0},
+    {1,2,3,5,7,0,0,0}, {0,1,2,3,5,7,0,0}, {4,5,7,0,0,0,0,0}, {0,4,5,7,0,0,0,0}, {1,4,5,7,0,0,0,0}, {0,1,4,5,7,0,0,0},
+    {2,4,5,7,0,0,0,0}, {0,2,4,5,7,0,0,0}, {1,2,4,5,7,0,0,0}, {0,1,2,4,5,7,0,0}, {3,4,5,7,0,0,0,0}, {0,3,4,5,7,0,0,0},
+    {1,3,4,5,7,0,0,0}, {0,1,3,4,5,7,0,0}, {2,3,4,5,7,0,0,0}, {0,2,3,4,5,7,0,0}, {1,2,3,4,5,7,0,0}, {0,1,2,3,4,5,7,0},
+    {6,7,0,0,0,0,0,0}, {0,6,7,0,0,0,0,0}, {1,6,7,0,0,0,0,0}, {0,1,6,7,0,0,0,0}, {2,6,7,0,0,0,0,0}, {0,2,6,7,0,0,0,0},
+    {1,2,6,7,0,0,0,0}, {0,1,2,6,7,0,0,0}, {3,6,7,0,0,0,0,0}, {0,3,6,7,0,0,0,0}, {1,3,6,7,0,0,0,0}, {0,1,3,6,7,0,0,0},
+    {2,3,6,7,0,0,0,0}, {0,2,3,6,7,0,0,0}, {1,2,3,6,7,0,0,0}, {0,1,2,3,6,7,0,0}, {4,6,7,0,0,0,0,0}, {0,4,6,7,0,0,0,0},
+    {1,4,6,7,0,0,0,0}, {0,1,4,6,7,0,0,0}, {2,4,6,7,0,0,0,0}, {0,2,4,6,7,0,0,0}, {1,2,4,6,7,0,0,0}, {0,1,2,4,6,7,0,0},
+    {3,4,6,7,0,0,0,0}, {0,3,4,6,7,0,0,0}, {1,3,4,6,7,0,0,0}, {0,1,3,4,6,7,0,0}, {2,3,4,6,7,0,0,0}, {0,2,3,4,6,7,0,0},
+    {1,2,3,4,6,7,0,0}, {0,1,2,3,4,6,7,0}, {5,6,7,0,0,0,0,0}, {0,5,6,7,0,0,0,0}, {1,5,6,7,0,0,0,0}, {0,1,5,6,7,0,0,0},
+    {2,5,6,7,0,0,0,0}, {0,2,5,6,7,0,0,0}, {1,2,5,6,7,0,0,0}, {0,1,2,5,6,7,0,0}, {3,5,6,7,0,0,0,0}, {0,3,5,6,7,0,0,0},
+    {1,3,5,6,7,0,0,0}, {0,1,3,5,6,7,0,0}, {2,3,5,6,7,0,0,0}, {0,2,3,5,6,7,0,0}, {1,2,3,5,6,7,0,0}, {0,1,2,3,5,6,7,0},
+    {4,5,6,7,0,0,0,0}, {0,4,5,6,7,0,0,0}, {1,4,5,6,7,0,0,0}, {0,1,4,5,6,7,0,0}, {2,4,5,6,7,0,0,0}, {0,2,4,5,6,7,0,0},
+    {1,2,4,5,6,7,0,0}, {0,1,2,4,5,6,7,0}, {3,4,5,6,7,0,0,0}, {0,3,4,5,6,7,0,0}, {1,3,4,5,6,7,0,0}, {0,1,3,4,5,6,7,0},
+    {2,3,4,5,6,7,0,0}, {0,2,3,4,5,6,7,0}, {1,2,3,4,5,6,7,0}, {0,1,2,3,4,5,6,7}
+};
+#endif
+static int64_t keep_at_least(const uint32_t *key, int64_t n, uint32_t thr, uint32_t *ck, uint32_t *cp) {
+    int64_t m = 0, t = 0;
+#if defined(__AVX512F__)
+    const __m512i th = _mm512_set1_epi32((int)thr), step = _mm512_set1_epi32(16);
+    __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; t + 16 <= n; t += 16) {
+        const __m512i v = _mm512_loadu_si512((const void *)(key + t));
+        const __mmask16 mk = _mm512_cmpge_epu32_mask(v, th);
+        _mm512_mask_compressstoreu_epi32((void *)(ck + m), mk, v);
+        _mm512_mask_compressstoreu_epi32((void *)(cp + m), mk, pos);
+        m += __builtin_popcount((unsigned)mk);
+        pos = _mm512_add_epi32(pos, step);
+    }
+#elif defined(__AVX2__)
+    const __m256i sb = _mm256_set1_epi32((int)0x80000000u), th = _mm256_set1_epi32((int)(thr ^ 0x80000000u)),
+                  step = _mm256_set1_epi32(8);
+    __m256i pos = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; t + 8 <= n; t += 8) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(key + t));
+        /* unsigned v >= thr: not (thr > v) as signed, both with the top bit flipped */
+        const __m256i below = _mm256_cmpgt_epi32(th, _mm256_xor_si256(v, sb));
+        const unsigned mk = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(below)) & 0xffu;
+        const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)LEFTPACK[mk]));
+        _mm256_storeu_si256((__m256i *)(ck + m), _mm256_permutevar8x32_epi32(v, perm));
+        _mm256_storeu_si256((__m256i *)(cp + m), _mm256_permutevar8x32_epi32(pos, perm));
+        m += __builtin_popcount(mk);
+        pos = _mm256_add_epi32(pos, step);
+    }
+#endif
+    for (; t < n; t++) {
+        ck[m] = key[t];
+        cp[m] = (uint32_t)t;
+        m += key[t] >= thr;
+    }
+    return m;
+}
+
+/* take_top for a few of many keys (2 k <= n): a threshold from 512 keys at a stride (the r-th largest of
+   them, r a little above 512 k / n so that about 3 sd more than k keys pass it), then one vector pass keeps
+   the keys at or above it with their positions (keep_at_least), and the exact radix select runs on those
+   alone: the k largest of all n are among them whenever at least k passed. Returns how many it wrote, or -1
+   where fewer than k passed (the caller runs take_top). scratch: 3 n. */
+static int64_t take_top_sampled(const uint32_t *key, int64_t n, int64_t k, uint32_t *scratch, int64_t *o,
+                                int64_t first) {
+    enum { NS = 512 };
+    uint32_t smp[NS], tmp[NS], thr;
+    const double p = (double)k / (double)n;
+    const int64_t r = (int64_t)ceil(NS * p + 3.0 * sqrt(NS * p * (1.0 - p))) + 2;
+    int64_t eq;
+    if (k <= 0 || 2 * k > n || r >= NS) return -1;
+    for (int64_t i = 0; i < NS; i++) smp[i] = key[i * n / NS];
+    top_cut_small(smp, NS, r, tmp, &thr, &eq);
+    if (thr == 0) return -1;  /* every key passes */
+    uint32_t *ck = scratch, *cp = scratch + n, *sub = scratch + 2 * n;
+    const int64_t m = keep_at_least(key, n, thr, ck, cp);
+    if (m < k) return -1;
+    uint32_t cut = 0;
+    eq = INT64_MAX;
+    if (m > k) top_cut_small(ck, m, k, sub, &cut, &eq);
+    /* no data-dependent branch (about a third of the keys are dropped, at random): every key writes a slot
+       below k, and the count moves on where it is taken */
+    int64_t j = 0;
+    for (int64_t i = 0; i < m && j < k; i++) {
+        const uint32_t x = ck[i];
+        const int64_t e = x == cut, take = (x > cut) | (e & (eq > 0));
+        eq -= e & take;
+        o[j] = first + cp[i];
+        j += take;
+    }
+    return j;
+}
+
 /* One (b, h) pair's critical channels: s_i = sum_g |q_{g,i}| * kabs_i, the n best (ties to the lower
    channel, NaN first as torch.sort ranks it) in ascending channel order at o. key: 2 D scratch. */
 static void pair_channels(const float *qg, int64_t qs_h, const float *ka, int64_t G, int64_t D, int64_t n,
@@ -1008,10 +1214,11 @@ static double cos_sum(const float *a, int64_t as_b, int64_t as_h, const float *b
    [f, f + n_s), then the top k of the candidates [f + n_s, mid_end) by sum_j qs_j * kT[ch_j, t] (qs: the
    query group's sum; NaN as -inf; ties to the lower position) in position order (all candidates when they
    are at most k), then [mid_end, mid_end + n_r), then -1 up to `width` (a row with fewer candidates than
-   the batch's widest). key (2 n) is scratch. The scores are made TILE candidates at a time (the C channel
-   rows read side by side, the tile's sums in L1), turned into keys and counted for the first level of the
-   radix select in the same pass. Returns -2 for a channel outside [0, D), -3 for a first position past
-   the candidates. */
+   the batch's widest). key (4 n) is scratch. The scores are made TILE candidates at a time (score_tile:
+   the C channel rows read side by side, the tile's sums in L1) and turned into keys; a few of many
+   (take_top_sampled) are cut from a sample's threshold, else the keys are counted for the first level of
+   the radix select in the same pass. Returns -2 for a channel outside [0, D), -3 for a first position
+   past the candidates. */
 #define TILE 512
 static int select_pair(const float *qg, int64_t qs_h, const void *kt, int64_t kt_bf16, int64_t ts_d,
                        const int64_t *cb, int64_t *o, uint32_t *key, int64_t G, int64_t C, int64_t D, int64_t f,
@@ -1020,37 +1227,31 @@ static int select_pair(const float *qg, int64_t qs_h, const void *kt, int64_t kt
     if (f < 0 || n < 0) return -3;
     for (int64_t t = 0; t < n_s; t++) o[j++] = f + t;
     uint32_t h0[2048];
+    const int sampled = k > 0 && n >= 2048 && 2 * k <= n;  /* a few of many: take_top_sampled */
     if (n > k && k > 0) {
         for (int64_t c = 0; c < C; c++)
             if (cb[c] < 0 || cb[c] >= D) return -2;
         memset(h0, 0, sizeof h0);
         const uint32_t neg = fkey(-INFINITY, 0);
-        float sc[TILE];
+        float sc[TILE], w[256];
+        for (int64_t c = 0; c < C; c++) {
+            w[c] = 0.f;
+            for (int64_t g = 0; g < G; g++) w[c] += qg[g * qs_h + cb[c]];
+        }
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {
             const int64_t m = n - t0 < TILE ? n - t0 : TILE;
-            for (int64_t t = 0; t < m; t++) sc[t] = 0.f;
-            for (int64_t c = 0; c < C; c++) {  /* the same sum, in the same order, as one channel at a time */
-                float w = 0.f;
-                for (int64_t g = 0; g < G; g++) w += qg[g * qs_h + cb[c]];
-                if (kt_bf16) {  /* bfloat16: the high half of the fp32 bits */
-                    const uint16_t *row = (const uint16_t *)kt + cb[c] * ts_d + lo + t0;
-                    for (int64_t t = 0; t < m; t++) {
-                        uint32_t u = (uint32_t)row[t] << 16;
-                        float x;
-                        memcpy(&x, &u, sizeof x);
-                        sc[t] += w * x;
-                    }
-                } else {
-                    const float *row = (const float *)kt + cb[c] * ts_d + lo + t0;
-                    for (int64_t t = 0; t < m; t++) sc[t] += w * row[t];
-                }
-            }
+            if (kt_bf16) score_tile(kt, 1, cb, w, C, ts_d, lo + t0, m, sc);
+            else score_tile(kt, 0, cb, w, C, ts_d, lo + t0, m, sc);
             uint32_t *kk = key + t0;
             for (int64_t t = 0; t < m; t++) kk[t] = fkey(sc[t], neg);  /* NaN as -inf */
-            for (int64_t t = 0; t < m; t++) h0[kk[t] >> 21]++;
+            if (!sampled)
+                for (int64_t t = 0; t < m; t++) h0[kk[t] >> 21]++;
         }
     }
-    j += take_top(key, n, k, key + n, h0, o + j, lo);  /* every candidate when they are at most k */
+    int64_t got = sampled ? take_top_sampled(key, n, k, key + n, o + j, lo) : -1;
+    if (got < 0)  /* every candidate when they are at most k */
+        got = take_top(key, n, k, key + n, sampled ? NULL : h0, o + j, lo);
+    j += got;
     for (int64_t t = 0; t < n_r; t++) o[j++] = mid_end + t;
     while (j < width) o[j++] = -1;
     return 0;
@@ -1070,7 +1271,7 @@ static void *run_select(void *arg) {
     select_job *j = (select_job *)arg;
     int64_t n = j->mid_end - j->n_s;
     size_t m = (size_t)(n > 0 ? n : 1);
-    uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * 2 * m);
+    uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * 4 * m);
     j->rc = key ? 0 : -1;
     for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
         int64_t b = p / j->H, h = p % j->H;
@@ -1103,7 +1304,7 @@ static void *run_select(void *arg) {
    critical channels, D <= 256), and written to ch_out (B, H, C) unless it is NULL. cos not NULL: adds the
    mean over the B * H * G rows of cos(qc, q) to *cos (the estimate's similarity, one serial pass).
    Returns 0, -1 (no memory), -2 (a channel outside [0, D)), -3 (a first position past mid_end - n_s),
-   -4 (channels to pick with D > 256). */
+   -4 (more than 256 channels, or channels to pick with D > 256). */
 int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                          const void *kT, int64_t kt_bf16, int64_t ts_b, int64_t ts_h, int64_t ts_d,
                          const int64_t *ch, int64_t cs_b, int64_t cs_h, const int64_t *first,
@@ -1113,7 +1314,7 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                          const float *qc, int64_t qc_b, int64_t qc_h, const float *kabs, int64_t a_b, int64_t a_h,
                          int64_t *ch_out, int64_t co_b, int64_t co_h, double *cos) {
     int64_t pairs = B * H, n = mid_end - n_s;
-    if (!ch && (D > 256 || C > D)) return -4;
+    if (C > 256 || (!ch && (D > 256 || C > D))) return -4;
     if (cos && B * H * G > 0) *cos += cos_sum(qc, qc_b, qc_h, q, qs_b, qs_h, B, H * G, D) / (double)(B * H * G);
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
@@ -1475,7 +1676,8 @@ class CpuStep:
             raise ValueError(f"kvpass: tailor_select_cpu needs each row's first position in [0, mid_end - "
                              f"n_sinks = {n}]")
         if rc == -4:
-            raise ValueError(f"kvpass: tailor_select_cpu picks channels for head_dim <= 256, got {d}")
+            raise ValueError(f"kvpass: tailor_select_cpu scores at most 256 channels and picks them for head_dim "
+                             f"<= 256, got {c} channels, head_dim {d}")
         if rc != 0:
             raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
         return out
