@@ -72,7 +72,7 @@ def test_cpu_paths_compare_each_c_kernel_with_the_torch_path_it_replaces():
 
     rows = benchmark_cpu_paths(quick=True)  # each row also checks that both give the same result
     names = {"attend_all", "attend_listed", "attend_listed_huge", "attend_listed_cold", "quest_top_pages",
-             "cluster_recall", "cluster_select", "tailor_select", "tailor_select_cold"}
+             "quest_select", "cluster_recall", "cluster_select", "tailor_select", "tailor_select_cold"}
     assert {(r["kernel"], r["B"]) for r in rows} == {(k, s.B) for k in names for s in QUICK_CPU_PATH_SHAPES}
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)

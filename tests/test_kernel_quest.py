@@ -390,6 +390,60 @@ def test_select_cpu_merges_the_steps_key_as_torch_does(b, h_kv, d, page, length,
         assert (meta[bi, :, p, :d] >= k_new[bi]).all() and (meta[bi, :, p, d:] <= k_new[bi]).all()
 
 
+@given(b=st.integers(1, 3), h_kv=st.integers(1, 2), page=st.sampled_from([1, 4, 16]), length=st.integers(1, 60),
+       steps=st.integers(1, 4), padded=st.booleans(), gqa=st.sampled_from(["sum", "max"]), seed=SEEDS)
+def test_quest_step_reads_the_key_in_the_cache_and_serves_step_after_step(b, h_kv, page, length, steps, padded,
+                                                                         gqa, seed):
+    """One QuestStep over several decode steps (the runtime's use): the key read in place from the cache
+    ``(B, H_kv, S, D)`` at position ``length - 1`` gives the same metadata, pages and positions as
+    :func:`quest_select_cpu` given that key as ``(B, H_kv, D)``, step after step, and the reference's
+    choice on the merged metadata."""
+    from kvpass.kernels.quest import QuestStep, quest_select_cpu, quest_select_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    d, budget = 8, 12
+    end = length + steps
+    first = torch.randint(0, length, (b,), generator=gen) if padded else None
+    _, meta = _top_inputs(b, h_kv, 3, d, -(-end // page) + 1, True, seed)  # integral: exact sums and ties
+    meta[:, :, -(-length // page) - 1 :, :d] = float("-inf")
+    meta[:, :, -(-length // page) - 1 :, d:] = float("inf")
+    cache = torch.randint(-3, 4, (b, h_kv, end + 3, d), generator=gen).float()  # a capacity past the length
+    want_meta = meta.clone()
+    step = QuestStep(meta, first, page, budget, gqa)
+    for t in range(length, end):
+        q = torch.randint(-2, 3, (b, h_kv * 3, 1, d), generator=gen).float()
+        n = max(budget // page - 1, 0)
+        width = max(n, -(-budget // page) - 1)
+        want = quest_select_cpu(q, want_meta, first, t, page, budget, n, width, gqa,
+                                k_new=cache[:, :, t - 1].contiguous())
+        got = step.select(q, t, n, width, k_new=cache)
+        assert step.holds(meta, first)
+        assert torch.equal(meta, want_meta)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        ref = quest_select_ref(q[:, :, 0], meta, first, t, page, budget, n, width, gqa)
+        assert torch.equal(got[1], ref[1])
+
+
+def test_quest_step_refusals():
+    from kvpass.kernels.quest import QuestStep
+
+    q, meta = _top_inputs(2, 1, 3, 8, 5, False, 0)
+    with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):
+        QuestStep(meta.half(), None, 4, 8)
+    with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):
+        QuestStep(meta, torch.zeros(3, dtype=torch.int64), 4, 8)
+    with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):
+        QuestStep(meta, None, 4, 8, gqa="mean")
+    step = QuestStep(meta, None, 4, 8)
+    assert not step.holds(meta.clone(), None)
+    with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs fp32"):
+        step.select(q, 21, 1, 1)  # 6 pages do not fit meta's 5
+    with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs fp32"):
+        step.select(q.double(), 12, 1, 1)
+    with pytest.raises(ValueError, match="kvpass: quest_select_cpu needs fp32"):
+        step.select(q[:1], 12, 1, 1)  # another batch
+
+
 def test_select_rows_cpu_errors():
     from kvpass.kernels.quest import quest_select_cpu
 

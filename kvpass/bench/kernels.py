@@ -425,12 +425,15 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
     - ``quest_top_pages``: bounds of ``S / page_size`` pages and the top ``N / page_size``:
       :func:`~kvpass.kernels.quest.quest_top_pages_cpu` against
       :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp32 a page).
+    - ``quest_select``: the runtime's Quest step, :meth:`~kvpass.kernels.quest.QuestStep.select` (the
+      step's key merged into its page, the top pages and their ``N`` token positions, one C call)
+      against :func:`~kvpass.kernels.quest.quest_select_torch`; bytes: the page metadata and the list.
     - ``cluster_recall``: ``C = S // 80`` clusters, budget ``N``:
       :func:`~kvpass.kernels.clusterkv.select_clusters_cpu` against
       :func:`~kvpass.kernels.clusterkv.select_clusters_ref`; bytes as for ``select_clusters``.
     - ``cluster_select``: ClusterKV's whole decode-step list (``C = S // 80`` clusters, 16 sinks, 64 recent
-      tokens, ``N - 80`` recalled slots, gqa "sum"): :func:`~kvpass.kernels.clusterkv.cluster_select_cpu`
-      against :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and
+      tokens, ``N - 80`` recalled slots, gqa "sum"): :meth:`~kvpass.kernels.clusterkv.ClusterStep.select`
+      (the runtime's call, its step made once) against :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and
       offsets, the recalled order slots read and the list written.
     - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
       ``N - 128`` fetched: :meth:`~kvpass.kernels.tailorkv.CpuStep.select` (the runtime's one C call: the
@@ -505,6 +508,14 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             t = lambda: quest.quest_top_pages_torch(qq, meta, P, n)  # noqa: E731
             add("quest_top_pages", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 s.B * s.H_kv * P * 2 * s.D * 4 + s.B * s.H_q * s.D * 4, {"N": n + 1})
+            # the runtime's step: the key merged into its page, the top pages and their positions, one call
+            q4, kc = qq[:, :, None], torch.randn(s.B, s.H_kv, s.S, s.D)
+            step = quest.QuestStep(meta, None, s.page_size, s.N)
+            c = lambda: step.select(q4, s.S, n, n, k_new=kc)  # noqa: E731
+            t = lambda: quest.quest_select_torch(qq, meta, None, s.S, s.page_size, s.N, n, n)  # noqa: E731
+            add("quest_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
+                s.B * s.H_kv * P * 2 * s.D * 4 + s.B * s.H_q * s.D * 4 + s.B * s.H_kv * s.N * 8, {"N": s.N})
+            del q4, kc
             del qq, kmin, kmax, meta
 
             scores, sizes, offsets, order = _cluster_inputs(s, "cpu")
@@ -524,9 +535,10 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             cent = torch.randint(-8, 9, (s.B, s.H_kv, C, s.D), generator=g).float()
             n_s, n_r = 16, 64
             args = (qc, cent, sizes, offsets, order, None, s.S, n_s, s.N - n_s - n_r, n_r, -1, s.N, "sum")
-            c = lambda: clusterkv.cluster_select_cpu(*args)  # noqa: E731
+            step = clusterkv.ClusterStep(cent, sizes, offsets, order, None)  # the runtime's, made once
+            c = lambda: step.select(qc, *args[6:12])  # noqa: E731
             t = lambda: clusterkv.cluster_select_torch(*args, select=clusterkv.select_clusters_ref)  # noqa: E731
-            assert torch.equal(c(), t())
+            assert torch.equal(c(), t()) and torch.equal(clusterkv.cluster_select_cpu(*args), t())
             add("cluster_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
                 BH * (C * (4 * s.D + 16) + 16 * s.N) + 4 * s.B * s.H_q * s.D, {"clusters": C})
             del sizes, offsets, order, qc, cent

@@ -804,6 +804,17 @@ int kvpass_cluster_select(const float *q, int64_t qs_b, int64_t qs_h,
     free(qq);
     return 0;
 }
+
+/* kvpass_cluster_select with its arguments in one int64 array, in its order, pointers as integers: a ctypes
+   call converts each argument (about 0.2 us each), and a decode step changes only a few of them */
+#define P_(T, x) ((T)(intptr_t)(x))
+int kvpass_cluster_select_packed(const int64_t *a) {
+    return kvpass_cluster_select(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[3]), a[4], a[5], a[6],
+                                 P_(const int64_t *, a[7]), a[8], a[9], a[10], P_(const int64_t *, a[11]), a[12],
+                                 a[13], a[14], P_(const int64_t *, a[15]), a[16], a[17], a[18],
+                                 P_(const int64_t *, a[19]), a[20], P_(int64_t *, a[21]), a[22], a[23], a[24], a[25],
+                                 a[26], a[27], a[28], a[29], a[30], a[31], a[32], a[33], a[34], a[35], a[36]);
+}
 """
 
 
@@ -921,42 +932,91 @@ def cluster_select_cpu(
     int64 metadata): the scores, the ranking and the list of a site's step without a dozen small torch
     ops. The same list up to the rounding of the scores (the C dot products add in another order than
     BLAS: a near-tie between two clusters may rank the other way). ``q (B, H_q, D)``, or ``(B, H_q, 1,
-    D)`` as a decode step's attention receives it."""
-    fn = _cluster_select_lib()
-    qs, cs = q.shape, centroids.shape
-    b, h_q, d = qs[0], qs[1], qs[-1]
-    bb, h, c, dc = cs
-    # at every site of every decode step: is_cpu and one read of each shape (a .device costs a microsecond)
-    ok = (fn is not None and type(q) is torch.Tensor and type(centroids) is torch.Tensor and q.is_cpu
-          and centroids.is_cpu and (q.dim() == 3 or (q.dim() == 4 and qs[2] == 1))
-          and q.dtype == torch.float32 and centroids.dtype == torch.float32 and bb == b and dc == d and h > 0
-          and h_q % h == 0 and q.stride(-1) == 1 and centroids.stride(3) == 1 and gqa in ("sum", "max")
-          and all(t.dtype == torch.int64 and t.is_cpu for t in (sizes, offsets, order))
-          and sizes.shape == (b, h, c) and offsets.shape == (b, h, c + 1) and order.shape[:2] == (b, h)
-          and width >= 0)
-    if first is not None:
-        ok = ok and first.dtype == torch.int64 and first.is_cpu and first.dim() == 1 and (
-            first.shape[0] in (1, b))
-    if not ok:
-        raise ValueError(
-            "kvpass: cluster_select_cpu needs fp32 CPU q (B, H_q, D) and centroids (B, H, C, D) with contiguous "
-            "last dims, int64 sizes (B, H, C), offsets (B, H, C + 1), order (B, H, N), first (B,) or (1,), gqa "
-            f"'sum' or 'max' and the C kernel built; got q {tuple(q.shape)} "
-            f"{q.dtype}, centroids {tuple(centroids.shape)} {centroids.dtype}, sizes {tuple(sizes.shape)}, "
-            f"offsets {tuple(offsets.shape)}, order {tuple(order.shape)}, gqa={gqa!r}")
-    out = torch.empty((b, h, width), dtype=torch.int64)
-    if out.numel() == 0:
+    D)`` as a decode step's attention receives it. A decode step of the runtime makes a
+    :class:`ClusterStep` once for its clusters and calls its ``select``."""
+    return ClusterStep(centroids, sizes, offsets, order, first, gqa).select(
+        q, length, n_sinks, cluster_budget, n_recent, cover, width)
+
+
+_STEP_ARGS = 37  # kvpass_cluster_select_packed's int64 array
+
+
+class ClusterStep:
+    """A ClusterKV layer's decode-step list on CPU (:func:`cluster_select_cpu`), its clusters checked once
+    and its C arguments kept packed (a state makes one where a cluster tensor or ``first`` is replaced,
+    :meth:`holds`; a step sets only the query, the length, the budgets and the output).
+
+    Args:
+        centroids: ``(B, H_kv, C, D)`` fp32 CPU, last dim contiguous (ClusterKV, Liu et al. 2024).
+        sizes, offsets, order: ``(B, H_kv, C)``, ``(B, H_kv, C + 1)``, ``(B, H_kv, N)`` int64 CPU: each
+            cluster's tokens are ``order[offsets[c] : offsets[c] + sizes[c]]``.
+        first: ``(B,)`` or ``(1,)`` int64 CPU, each row's first real position (None: 0).
+
+    Raises ValueError where these operands are not what the C kernel reads (the message names them)."""
+
+    def __init__(self, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
+                 first: torch.Tensor | None, gqa: str = "sum"):
+        self._fn = native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select_packed",
+                                   [ctypes.c_void_p])
+        cs = centroids.shape
+        ok = (self._fn is not None and type(centroids) is torch.Tensor and centroids.is_cpu and len(cs) == 4
+              and centroids.dtype == torch.float32 and cs[1] > 0 and centroids.stride(3) == 1
+              and gqa in ("sum", "max")
+              and all(type(t) is torch.Tensor and t.dtype == torch.int64 and t.is_cpu for t in (sizes, offsets, order)))
+        if ok:
+            b, h, c = cs[:3]
+            ok = (sizes.shape == (b, h, c) and offsets.shape == (b, h, c + 1) and order.dim() == 3
+                  and order.shape[:2] == (b, h))
+            ok = ok and (first is None or (type(first) is torch.Tensor and first.dtype == torch.int64
+                                           and first.is_cpu and first.dim() == 1 and first.shape[0] in (1, b)))
+        if not ok:
+            raise ValueError(
+                "kvpass: cluster_select_cpu needs fp32 CPU q (B, H_q, D) and centroids (B, H, C, D) with contiguous "
+                "last dims, int64 sizes (B, H, C), offsets (B, H, C + 1), order (B, H, N), first (B,) or (1,), gqa "
+                f"'sum' or 'max' and the C kernel built; got centroids {tuple(cs)} {centroids.dtype}, sizes "
+                f"{tuple(sizes.shape)} {sizes.dtype}, offsets {tuple(offsets.shape)}, order {tuple(order.shape)}, "
+                f"first {None if first is None else (tuple(first.shape), first.dtype)}, gqa={gqa!r}")
+        self.centroids, self.sizes, self.offsets, self.order, self.first = centroids, sizes, offsets, order, first
+        self.b, self.h, self.d = b, h, cs[3]
+        a = self._a = (ctypes.c_int64 * _STEP_ARGS)()
+        a[3:7] = (centroids.data_ptr(), *centroids.stride()[:3])
+        a[7:11] = (sizes.data_ptr(), *sizes.stride())
+        a[11:15] = (offsets.data_ptr(), *offsets.stride())
+        a[15:19] = (order.data_ptr(), *order.stride())
+        if first is not None:
+            a[19:21] = (first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0)
+        a[24:26] = (b, h)
+        a[27:30] = (self.d, c, order.shape[2])
+        a[36] = int(gqa == "max")
+
+    def holds(self, centroids, sizes, offsets, order, first) -> bool:
+        """Whether this step was made for these very tensors (a replaced one needs a new step)."""
+        return (self.centroids is centroids and self.sizes is sizes and self.offsets is offsets
+                and self.order is order and self.first is first)
+
+    def select(self, q: torch.Tensor, length: int, n_sinks: int, cluster_budget: int, n_recent: int, cover: int,
+               width: int) -> torch.Tensor:
+        """``(B, H_kv, width)`` int64, this step's list (:func:`cluster_select_torch`), in one C call;
+        ``q (B, H_q, D)`` or ``(B, H_q, 1, D)`` fp32, ``H_q = G * H_kv``."""
+        b, h, d = self.b, self.h, self.d
+        qs = q.shape
+        if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
+                and (len(qs) == 3 or (len(qs) == 4 and qs[2] == 1)) and qs[1] % h == 0 and q.stride(-1) == 1
+                and width >= 0):
+            raise ValueError(
+                f"kvpass: cluster_select_cpu needs fp32 CPU q (B={b}, H_q, D={d}) or (B, H_q, 1, D), H_q a multiple "
+                f"of {h}, with a contiguous last dim, and width >= 0; got q {tuple(qs)} {q.dtype}, width={width}")
+        out = torch.empty((b, h, width), dtype=torch.int64)
+        if out.numel() == 0:
+            return out
+        a = self._a
+        a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
+        a[21:24] = (out.data_ptr(), out.stride(0), out.stride(1))
+        a[26] = qs[1] // h
+        a[30:36] = (length, n_sinks, cluster_budget, n_recent, cover, width)
+        if self._fn(a) != 0:
+            raise MemoryError("kvpass: cluster_select_cpu could not allocate its scratch")
         return out
-    ft = 0 if first is None or first.shape[0] == 1 else first.stride(0)
-    cst, sst, ost, rst, xst = centroids.stride(), sizes.stride(), offsets.stride(), order.stride(), out.stride()
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), centroids.data_ptr(), cst[0], cst[1], cst[2],
-            sizes.data_ptr(), sst[0], sst[1], sst[2], offsets.data_ptr(), ost[0], ost[1], ost[2], order.data_ptr(),
-            rst[0], rst[1], rst[2], None if first is None else first.data_ptr(), ft, out.data_ptr(), xst[0], xst[1],
-            b, h, h_q // h, d, c, order.shape[2], length, n_sinks, cluster_budget, n_recent, cover, width,
-            int(gqa == "max"))
-    if rc != 0:
-        raise MemoryError("kvpass: cluster_select_cpu could not allocate its scratch")
-    return out
 
 
 def cluster_select_cpu_available() -> bool:

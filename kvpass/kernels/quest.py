@@ -473,6 +473,16 @@ int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
 #endif
     return quest_pairs(&a, 0, pairs);
 }
+
+/* kvpass_quest_select with its arguments in one int64 array, in its order, pointers as integers: a ctypes
+   call converts each argument (about 0.2 us each), and a decode step changes only a few of them */
+#define P_(T, x) ((T)(intptr_t)(x))
+int kvpass_quest_select_packed(const int64_t *a) {
+    return kvpass_quest_select(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[3]), a[4], a[5],
+                               P_(float *, a[6]), a[7], a[8], a[9], P_(const int64_t *, a[10]), a[11],
+                               P_(int64_t *, a[12]), a[13], a[14], a[15], P_(int64_t *, a[16]), a[17], a[18],
+                               a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29]);
+}
 """
 
 
@@ -554,34 +564,104 @@ def quest_select_cpu(
 
     ``k_new (B, H_kv, D)``: the step's key (cache position ``length - 1``), merged into each row's newest
     page first, as :func:`quest_fold_key_` does (a steady decode step's metadata update, in the same
-    call); fp32 with a contiguous last dim, else it is merged in torch before the call."""
+    call); fp32 with a contiguous last dim, else it is merged in torch before the call. A decode step
+    of the runtime makes a :class:`QuestStep` once and calls its ``select``."""
     fn = _top_lib()
-    pmax = -(-length // page_size)
-    _check_select_args("quest_select_cpu", fn, q, meta, max(pmax - 1, 0), n, gqa)
-    qs = q.shape
-    B, H_q, D = qs[0], qs[1], qs[-1]
-    H = meta.shape[1]
-    if k_new is not None and not (type(k_new) is torch.Tensor and k_new.dtype == torch.float32 and k_new.is_cpu
-                                  and k_new.shape == (B, H, D) and k_new.stride(2) == 1):
-        quest_fold_key_(meta, k_new, first, length, page_size)
-        k_new = None
-    if first is not None:
-        if not (first.dtype == torch.int64 and first.is_cpu and first.dim() == 1
-                and first.shape[0] in (1, B)):
-            raise ValueError(f"kvpass: quest_select_cpu needs first (B,) or (1,) int64 on CPU, got "
-                             f"{tuple(first.shape)} {first.dtype}")
-    pages = torch.empty((B, H, width + 1), dtype=torch.int64)
-    idx = torch.empty((B, H, (width + 1) * page_size), dtype=torch.int64)
-    fs = 0 if first is None or first.shape[0] == 1 else first.stride(0)
-    ks = (None, 0, 0) if k_new is None else (k_new.data_ptr(), k_new.stride(0), k_new.stride(1))
-    ms, ps, xs = meta.stride(), pages.stride(), idx.stride()
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), *ks, meta.data_ptr(), ms[0], ms[1], ms[2],
-            None if first is None else first.data_ptr(), fs, pages.data_ptr(), ps[0], ps[1], ps[2],
-            idx.data_ptr(), xs[0], xs[1], B, H, H_q // H, D, length, page_size, budget, n, width,
-            int(gqa == "max"), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
-    return pages, idx
+    _check_select_args("quest_select_cpu", fn, q, meta, max(-(-length // page_size) - 1, 0), n, gqa)
+    if first is not None and not (first.dtype == torch.int64 and first.is_cpu and first.dim() == 1
+                                  and first.shape[0] in (1, q.shape[0])):
+        raise ValueError(f"kvpass: quest_select_cpu needs first (B,) or (1,) int64 on CPU, got "
+                         f"{tuple(first.shape)} {first.dtype}")
+    return QuestStep(meta, first, page_size, budget, gqa).select(q, length, n, width, k_new)
+
+
+_STEP_ARGS = 30  # kvpass_quest_select_packed's int64 array
+
+
+class QuestStep:
+    """A Quest layer's decode-step selection on CPU (:func:`quest_select_cpu`), its fixed operands checked
+    once and its C arguments kept packed (a state makes one where ``meta`` or ``first`` is replaced,
+    :meth:`holds`; a step sets only the query, the key, the length and the outputs).
+
+    Args:
+        meta: ``(B, H_kv, P_cap, 2D)`` fp32 CPU ``[max | min]`` page bounds, last dim contiguous.
+        first: ``(B,)`` or ``(1,)`` int64 CPU, each row's first real position (None: 0).
+        page_size, budget, gqa: the policy's (Quest, Tang et al. 2024).
+
+    Raises ValueError where these operands are not what the C kernel reads (the message names them)."""
+
+    def __init__(self, meta: torch.Tensor, first: torch.Tensor | None, page_size: int, budget: int,
+                 gqa: str = "sum"):
+        self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
+        ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == torch.float32
+              and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
+              and page_size > 0 and gqa in ("sum", "max"))
+        b = meta.shape[0] if meta.dim() == 4 else 0
+        ok = ok and (first is None or (type(first) is torch.Tensor and first.is_cpu and first.dtype == torch.int64
+                                       and first.dim() == 1 and first.shape[0] in (1, b)))
+        if not ok:
+            raise ValueError(
+                "kvpass: a Quest CPU step needs fp32 CPU meta (B, H_kv, P_cap, 2D) with a contiguous last dim, "
+                "first None or int64 CPU (B,) or (1,), page_size > 0, gqa 'sum' or 'max' and the C kernel built; "
+                f"got meta {tuple(meta.shape)} {meta.dtype}, first "
+                f"{None if first is None else (tuple(first.shape), first.dtype)}, page_size={page_size}, gqa={gqa!r}")
+        self.meta, self.first = meta, first
+        self.b, self.h, self.d, self.cap, self.page = b, meta.shape[1], meta.shape[3] // 2, meta.shape[2], page_size
+        a = self._a = (ctypes.c_int64 * _STEP_ARGS)()
+        a[6:10] = (meta.data_ptr(), *meta.stride()[:3])
+        if first is not None:
+            a[10:12] = (first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0)
+        a[19:21] = (b, self.h)
+        a[22] = self.d
+        a[24:26] = (page_size, budget)
+        a[28] = int(gqa == "max")
+
+    def holds(self, meta: torch.Tensor, first: torch.Tensor | None) -> bool:
+        """Whether this step was made for these very tensors (a replaced buffer needs a new one)."""
+        return self.meta is meta and self.first is first
+
+    def select(self, q: torch.Tensor, length: int, n: int, width: int,
+               k_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pages, idx)`` of this step (:func:`quest_select_cpu`), in one C call.
+
+        Args:
+            q: ``(B, H_q, D)`` or ``(B, H_q, 1, D)`` fp32, the decode queries, ``H_q = G * H_kv``.
+            k_new: the step's key, merged into its page first: ``(B, H_kv, D)``, or the cache ``(B, H_kv,
+                S >= length, D)`` whose position ``length - 1`` it is (read in place: no view of it).
+        """
+        b, h, d, page = self.b, self.h, self.d, self.page
+        qs = q.shape
+        if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
+                and (len(qs) == 3 or (len(qs) == 4 and qs[2] == 1)) and qs[1] % h == 0 and q.stride(-1) == 1
+                and n >= 0 and width >= 0 and 0 <= length <= self.cap * page and self.cap > 0):
+            raise ValueError(
+                f"kvpass: quest_select_cpu needs fp32 CPU q (B={b}, H_q, D={d}) or (B, H_q, 1, D), H_q a multiple "
+                f"of {h}, with a contiguous last dim, n >= 0, width >= 0 and 0 <= length <= P_cap * page_size = "
+                f"{self.cap * page}; got q {tuple(qs)} {q.dtype}, n={n}, width={width}, length={length}")
+        a = self._a
+        a[3] = 0
+        if k_new is not None:
+            ks = k_new.shape
+            if (type(k_new) is torch.Tensor and k_new.is_cpu and k_new.dtype == torch.float32 and ks[0] == b
+                    and ks[1] == h and ks[-1] == d and k_new.stride(-1) == 1
+                    and (len(ks) == 3 or (len(ks) == 4 and ks[2] >= length))):
+                at = 0 if len(ks) == 3 else (length - 1) * k_new.stride(2) * 4
+                a[3:6] = (k_new.data_ptr() + at, k_new.stride(0), k_new.stride(1))
+            else:  # another dtype or layout: merged in torch
+                quest_fold_key_(self.meta, k_new if len(ks) == 3 else k_new[:, :, length - 1], self.first,
+                                length, page)
+        pages = torch.empty((b, h, width + 1), dtype=torch.int64)
+        idx = torch.empty((b, h, (width + 1) * page), dtype=torch.int64)
+        ps, xs = pages.stride(), idx.stride()
+        a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
+        a[12:19] = (pages.data_ptr(), ps[0], ps[1], ps[2], idx.data_ptr(), xs[0], xs[1])
+        a[21] = qs[1] // h
+        a[23] = length
+        a[26:28] = (n, width)
+        a[29] = torch.get_num_threads()
+        if self._fn(a) != 0:
+            raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
+        return pages, idx
 
 
 def quest_fold_key_(meta: torch.Tensor, k_new: torch.Tensor, first: torch.Tensor | None, length: int,

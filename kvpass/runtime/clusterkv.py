@@ -168,6 +168,7 @@ class ClusterState(SiteState):
         self.sizes: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
         self.order: torch.Tensor | None = None
+        self._step = None  # the CPU selection's ClusterStep, made for the tensors above (select)
         self.tail = 0  # first position not clustered (sinks excluded)
         self.clusterings = 0
         self.kmeans_iters = 0
@@ -362,7 +363,7 @@ class ClusterState(SiteState):
         budgets = self._budgets(call.length)
         if budgets is None:
             return None
-        from kvpass.kernels.clusterkv import cluster_select_cpu, cluster_select_torch
+        from kvpass.kernels.clusterkv import ClusterStep, cluster_select_torch
 
         n_sinks, cluster_budget, n_recent = budgets
         p = self.policy
@@ -378,9 +379,13 @@ class ClusterState(SiteState):
         rest = (self.pad.first if padded else None, call.length, n_sinks, cluster_budget, n_recent,
                 p.budget if padded else -1, p.budget, p.gqa)
         if self._select_in_c(call.q) and meta[0].dtype == torch.float32 and meta[0].stride(3) == 1:
-            # the (B, H_q, 1, D) query as it came (no view of it per step); a fresh list each step, as a
+            # the (B, H_q, 1, D) query as it came (no view of it per step), the clusters' arguments packed
+            # once (a ClusterStep, made again where clustering replaces them); a fresh list each step, as a
             # probe or a test may keep last_idx
-            return cluster_select_cpu(call.q, *meta, *rest)
+            step = self._step
+            if step is None or not step.holds(*meta, rest[0]):
+                step = self._step = ClusterStep(*meta, rest[0], p.gqa)
+            return step.select(call.q, *rest[1:7])
         from kvpass.lowering.dispatch import select_clusters
 
         return cluster_select_torch(call.q[:, :, 0], *meta, *rest, select=select_clusters)

@@ -81,6 +81,7 @@ class QuestState(SiteState):
         super().reset()
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
+        self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (_cpu_step)
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -97,13 +98,16 @@ class QuestState(SiteState):
         self.meta = meta
 
     def observe(self, call: AttentionCall) -> None:
-        from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
-
-        ps, d = self.policy.page_size, call.k.shape[3]
+        ps = self.policy.page_size
         pages = -(-call.length // ps)
-        self._ensure_capacity(call, pages)
+        meta = self.meta
+        if meta is None or meta.shape[2] < pages:
+            self._ensure_capacity(call, pages)
         if call.new_tokens == 1 and call.start > 0:
             return  # a steady step: select() merges the key into its page, in its C call where it runs one
+        from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
+
+        d = call.k.shape[3]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         if self.pad.padded:
             self._observe_rows(call)
@@ -187,13 +191,14 @@ class QuestState(SiteState):
         if padded or in_c:
             # the key's merge, scoring, the top pages (ascending, then the newest) and their token positions
             # in one C call
-            from kvpass.kernels.quest import quest_select_cpu, quest_select_torch
+            from kvpass.kernels.quest import QuestStep, quest_select_torch
 
             first = self.pad.first if padded else None
-            if in_c:  # the (B, H_q, 1, D) query as it came: no view of it per step
-                self.pages, idx = quest_select_cpu(call.q, self.meta, first, length, ps, budget, n, n_pages,
-                                                   self.policy.gqa, k_new=call.k[:, :, length - 1] if steady
-                                                   else None)
+            if in_c:  # the (B, H_q, 1, D) query as it came, the key read in the cache: no views per step
+                step = self._step
+                if step is None or not step.holds(self.meta, first):
+                    step = self._step = QuestStep(self.meta, first, ps, budget, self.policy.gqa)
+                self.pages, idx = step.select(call.q, length, n, n_pages, k_new=call.k if steady else None)
             else:
                 self.pages, idx = quest_select_torch(call.q[:, :, 0], self.meta, first, length, ps, budget, n,
                                                      n_pages, self.policy.gqa)
