@@ -433,8 +433,9 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       :func:`~kvpass.kernels.clusterkv.select_clusters_ref`; bytes as for ``select_clusters``.
     - ``cluster_select``: ClusterKV's whole decode-step list (``C = S // 80`` clusters, 16 sinks, 64 recent
       tokens, ``N - 80`` recalled slots, gqa "sum"): :meth:`~kvpass.kernels.clusterkv.ClusterStep.select`
-      (the runtime's call, its step made once) against :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and
-      offsets, the recalled order slots read and the list written.
+      (the runtime's call, its step made once) against
+      :func:`~kvpass.kernels.clusterkv.cluster_select_torch`; bytes: the centroids, sizes and offsets, the
+      recalled order slots read and the list written.
     - ``tailor_select``: TailorKV's sparse layer, 8 critical channels, 16 sinks, 112 recent tokens and
       ``N - 128`` fetched: :meth:`~kvpass.kernels.tailorkv.CpuStep.select` (the runtime's one C call: the
       channels picked from the query and the channel maxima, the list) against the torch path (the channels, their rows

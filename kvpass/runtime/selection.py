@@ -81,7 +81,7 @@ class QuestState(SiteState):
         super().reset()
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
-        self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (_cpu_step)
+        self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (select)
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
