@@ -827,13 +827,9 @@ def _select_lib():
     return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters", _SELECT_ARGTYPES)
 
 
-_CLUSTER_SELECT_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-                            + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 3 + [ctypes.c_void_p, ctypes.c_int64]
-                            + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_int64] * 13)
-
-
 def _cluster_select_lib():
-    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select", _CLUSTER_SELECT_ARGTYPES)
+    # the runtime's entry: the step's arguments packed in one int64 array (ClusterStep)
+    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select_packed", [ctypes.c_void_p])
 
 
 def select_clusters_cpu_available() -> bool:
@@ -956,8 +952,7 @@ class ClusterStep:
 
     def __init__(self, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
                  first: torch.Tensor | None, gqa: str = "sum"):
-        self._fn = native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select_packed",
-                                   [ctypes.c_void_p])
+        self._fn = _cluster_select_lib()
         cs = centroids.shape
         ok = (self._fn is not None and type(centroids) is torch.Tensor and centroids.is_cpu and len(cs) == 4
               and centroids.dtype == torch.float32 and cs[1] > 0 and centroids.stride(3) == 1

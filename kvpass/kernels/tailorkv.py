@@ -1240,7 +1240,7 @@ static int select_pair(const float *qg, int64_t qs_h, const void *kt, int64_t kt
     if (n > k && k > 0) {
         for (int64_t c = 0; c < C; c++)
             if (cb[c] < 0 || cb[c] >= D) return -2;
-        memset(h0, 0, sizeof h0);
+        if (!sampled) memset(h0, 0, sizeof h0);  /* counted while the keys are made */
         const uint32_t neg = fkey(-INFINITY, 0);
         float sc[TILE], w[256];
         for (int64_t c = 0; c < C; c++) {
