@@ -147,14 +147,14 @@ def test_adopted_layer_no_site_takes_is_loud():
 
 @pytest.mark.slow
 def test_padded_batch_of_a_prefetching_policy_adopts_the_same():
-    """TailorKV (prefetch and fetch ops before the attention, a host tier) on a left-padded batch served
-    row by row: adopting gives the tokens and selections of the adopting step, from one graph."""
+    """TailorKV estimating its query (a prefetch op before the attention, a host tier) on a left-padded
+    batch served row by row: adopting gives the tokens and selections of the adopting step, from one graph."""
     from kvpass import TailorKV
 
     model = tiny_llama(pad_token_id=0)
     ids = prompt(100, batch=2)
     ids[1, :30] = 0
-    policy = TailorKV(sparse_budget=48, static_tokens=24, sinks=4)
+    policy = TailorKV(sparse_budget=48, static_tokens=24, sinks=4, early_estimate=True)
     got = []
     for adopt in (False, True):
         torch._dynamo.reset()

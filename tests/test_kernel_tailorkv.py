@@ -885,7 +885,7 @@ def test_select_picking_the_channels_equals_the_two_steps(B, H_kv, G, D, S, c, k
     cap=st.integers(4, 12),
     bf16=st.booleans(),
     special=st.booleans(),  # NaN, infinities, -0 and values halfway between two bfloat16s
-    layout=st.sampled_from(["contiguous", "bthd"]),
+    layout=st.sampled_from(["contiguous", "bthd", "transposed"]),
     seed=SEEDS,
 )
 def test_tailor_append_cpu_equals_torch_ops(b, h, t, d, cap, bf16, special, layout, seed):
@@ -902,6 +902,8 @@ def test_tailor_append_cpu_equals_torch_ops(b, h, t, d, cap, bf16, special, layo
     if layout == "bthd":  # a view of (B, T, H, D), as the graph's projections give it
         k_new = k_new.transpose(1, 2).contiguous().transpose(1, 2)
     v_new = torch.randn(b, h, t, d, generator=gen)
+    if layout == "transposed":  # D outermost, as a batched step's weight-major linear gives V (and K)
+        k_new, v_new = (x.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for x in (k_new, v_new))
     k, v = torch.randn(b, h, cap, d, generator=gen), torch.randn(b, h, cap, d, generator=gen)
     kT = torch.randn(b, h, d, cap, generator=gen).to(torch.bfloat16 if bf16 else torch.float32)
     kabs = torch.rand(b, h, d, generator=gen)

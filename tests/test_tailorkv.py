@@ -159,9 +159,11 @@ def _sparse_oracle(q_hat, q, k_past, policy):
 )
 @pytest.mark.parametrize("estimated", [False, True])
 @pytest.mark.parametrize("path", ["c", "torch"])
-def test_sparse_layer_attends_the_oracles_tokens(kw, estimated, path, monkeypatch):
+@pytest.mark.parametrize("ops", [True, False], ids=["fetch-op", "fetch-in-attention"])
+def test_sparse_layer_attends_the_oracles_tokens(kw, estimated, path, ops, monkeypatch):
     """Both CPU paths: the C kernels reading the host tier in place, and the torch ops that copy the
-    device tier (what runs without a compiler, and the GPU path's logic)."""
+    device tier (what runs without a compiler, and the GPU path's logic); both decode graphs: with the
+    prefetch and fetch ops (an accelerator's) and without them (CPU's: the attention fetches)."""
     from kvpass.kernels import tailorkv as kernels
 
     if path == "torch":
@@ -176,7 +178,7 @@ def test_sparse_layer_attends_the_oracles_tokens(kw, estimated, path, monkeypatc
 
     rt = Runtime(policy)
     steps = prefill_then_decode(policy, length=120, steps=4, owned=True, rt=rt,
-                                estimate=estimate if estimated else None)
+                                estimate=estimate if estimated else None, ops=ops)
     st_ = rt.state(0)
     for i, (q, k, v, out, idx) in enumerate(steps):
         q_hat = hats[i][:, :, 0] if estimated else q
@@ -289,7 +291,7 @@ def test_estimated_query_equals_the_models_own_modules(dynamic):
     m = tiny_llama(layers=3, seed=4)
     ids = prompt(150, seed=2)
     # a covering budget: attention is exact, so the eager model's hidden states are the compiled ones
-    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=32, sinks=4))
+    be = kvpass(TailorKV(sparse_budget=1024, static_tokens=32, sinks=4, early_estimate=True))
     f = torch.compile(m.forward, backend=be, dynamic=dynamic)
     cache = DynamicCache(config=m.config)
     seq = ids
@@ -455,24 +457,62 @@ def test_reordered_site_equals_a_site_fed_each_rows_history(tier, rows):
 
 
 # (next to the beam-search tests of the same two models: consecutive, they reuse the graphs)
-def test_covering_budget_all_sparse_equals_eager(compiled_tiny):
+@pytest.mark.parametrize("early", [True, None])
+def test_covering_budget_all_sparse_equals_eager(compiled_tiny, early):
+    """Both CPU decode graphs: the estimate's (prefetch ops) and the default's (the attention fetches)."""
     ct = compiled_tiny(layers=3)
     ids = prompt(200)
     ref = generate(ct.model, ids, new_tokens=8)
-    out, be = ct.generate(TailorKV(sparse_budget=1024, static_tokens=64), ids, new_tokens=8, strict=False)
+    out, be = ct.generate(TailorKV(sparse_budget=1024, static_tokens=64, early_estimate=early), ids,
+                          new_tokens=8, strict=False)
     assert torch.equal(out, ref)
     rows = be.report_rows()
     assert [r["tier"] for r in rows] == ["sparse"] * 3
-    assert rows[0]["estimate"].startswith("none (first site")
-    assert [r["estimate"] for r in rows[1:]] == ["layer 0", "layer 1"]
+    if early:
+        assert rows[0]["estimate"].startswith("none (first site")
+        assert [r["estimate"] for r in rows[1:]] == ["layer 0", "layer 1"]
+    else:
+        assert all(r["estimate"].startswith("none (on cpu the true query") for r in rows)
     assert all(r["host_bytes"] > 0 for r in rows)
+
+
+def test_default_cpu_decode_graph_has_no_fetch_or_prefetch_op_and_selects_by_the_true_query():
+    """On CPU TailorKV's attention op fetches (no kvpass::fetch or kvpass::prefetch, no second q
+    projection in the graph); each step's selection is the oracle's from the site's true query, which a
+    probe sees."""
+    from torch._dynamo.utils import counters
+
+    m = tiny_llama(layers=3, seed=4)
+    ids = prompt(150, seed=2)
+    policy = TailorKV(sparse_budget=48, static_tokens=16, sinks=4, critical_channels=3)
+    be = kvpass(policy)
+    seen = []
+
+    def probe(state, call, idx):
+        if call.q.shape[2] == 1:
+            seen.append((state.info.site, call.q[:, :, 0].clone(), call.k[:, :, : call.length - 1].clone(),
+                         idx.clone()))
+
+    be.runtime.set_probe(probe)
+    counters.clear()
+    torch._dynamo.reset()
+    generate(m, ids, new_tokens=4, backend=be)
+    assert counters["kvpass"]["sites_rewritten"] > 0 and counters["kvpass"]["caches_owned"] > 0
+    assert counters["kvpass"]["fetches_inserted"] == 0 and counters["kvpass"]["prefetches_inserted"] == 0
+    assert counters["kvpass"]["queries_estimated"] == 0
+    assert len(be.runtime.infos) == 3 and all(i.fetch_in_attention for i in be.runtime.infos.values())
+    assert all(st.in_c for st in be.runtime.sites.values())  # the C path (fp32 queries)
+    assert len(seen) == 3 * 3  # three decode steps (the fourth token comes from the prefill), three sites
+    for site, q, k_past, idx in seen:
+        assert as_sets(idx) == _sparse_oracle(q, q, k_past, policy), f"site {site}"
+    assert all(math.isnan(r["estimate_cos"]) for r in be.report_rows())
 
 
 def test_compressing_run_reports_tiers_traffic_and_estimate(compiled_tiny):
     ct = compiled_tiny(layers=3, seed=2)
     ids = prompt(300)
     prof = Profile(config_key(ct.model.config), "llama", ((0, 0.9), (1, 0.1), (2, 0.05)))
-    pol = TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32)
+    pol = TailorKV(profile=prof, sparse_budget=96, static_tokens=32, group_size=16, residual=32, early_estimate=True)
     out, be = ct.generate(pol, ids, new_tokens=6, strict=False)
     assert out.shape == (1, 306)
     rows = be.report_rows()

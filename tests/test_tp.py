@@ -134,13 +134,14 @@ def test_heads_label_claims_a_layout_only_when_the_shard_accounts_for_the_heads(
 
 
 #: Every other policy: the first two on Full's graphs, the last two with graphs of their own (a fetch
-#: before each site; TailorKV also a prefetch fed with the query estimated one layer early).
+#: before each site; TailorKV, estimating as on an accelerator, a prefetch fed with the query estimated one
+#: layer early).
 OTHER_POLICIES = [
     "Full()",
     "ClusterKV(budget=48, sinks=4, tokens_per_cluster=8, decode_window=16, dense_layers=[])",
     "CentroidKV(cache_ratio=0.5, sinks=4, recent=16, chunk=32, step=8)",
     "ClusterKV(budget=48, sinks=4, tokens_per_cluster=8, decode_window=16, dense_layers=[], offload=True)",
-    "TailorKV(sparse_budget=64, static_tokens=24, sinks=4)",
+    "TailorKV(sparse_budget=64, static_tokens=24, sinks=4, early_estimate=True)",
 ]
 
 

@@ -1494,26 +1494,30 @@ static inline uint16_t f2bf(float f) {
 /* A sparse layer's decode append in one call instead of five ops: the T new rows of kn, vn (B, H, T, D)
    into k, v (B, H, cap, D) at [at, at + T), the keys into the channel-major kt (B, H, D, cap; bfloat16
    when kt_bf16, else fp32) and kabs (B, H, D) = max(kabs, |kn|) over the new rows (NaN spreads, as
-   torch.maximum). */
+   torch.maximum). kn_d, vn_d: the new rows' element strides (a batched step's weight-major linear gives
+   V, and K where no RoPE copied it, transposed: read in place, not copied first). */
 int kvpass_tailor_append(const float *kn, int64_t kn_b, int64_t kn_h, int64_t kn_t,
                          const float *vn, int64_t vn_b, int64_t vn_h, int64_t vn_t,
                          float *k, int64_t k_b, int64_t k_h, int64_t k_s,
                          float *v, int64_t v_b, int64_t v_h, int64_t v_s,
                          void *kt, int64_t kt_bf16, int64_t t_b, int64_t t_h, int64_t t_d,
                          float *kabs, int64_t a_b, int64_t a_h,
-                         int64_t B, int64_t H, int64_t T, int64_t D, int64_t at) {
+                         int64_t B, int64_t H, int64_t T, int64_t D, int64_t at, int64_t kn_d, int64_t vn_d) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             float *ka = kabs + b * a_b + h * a_h;
             for (int64_t t = 0; t < T; t++) {
                 const float *kr = kn + b * kn_b + h * kn_h + t * kn_t, *vr = vn + b * vn_b + h * vn_h + t * vn_t;
-                memcpy(k + b * k_b + h * k_h + (at + t) * k_s, kr, sizeof(float) * D);
-                memcpy(v + b * v_b + h * v_h + (at + t) * v_s, vr, sizeof(float) * D);
+                float *kd = k + b * k_b + h * k_h + (at + t) * k_s, *vd = v + b * v_b + h * v_h + (at + t) * v_s;
+                if (vn_d == 1) memcpy(vd, vr, sizeof(float) * D);
+                else for (int64_t d = 0; d < D; d++) vd[d] = vr[d * vn_d];
                 for (int64_t d = 0; d < D; d++) {
+                    const float kx = kr[d * kn_d];
                     const int64_t o = b * t_b + h * t_h + d * t_d + at + t;
-                    if (kt_bf16) ((uint16_t *)kt)[o] = f2bf(kr[d]);
-                    else ((float *)kt)[o] = kr[d];
-                    const float x = fabsf(kr[d]), m = ka[d];
+                    kd[d] = kx;
+                    if (kt_bf16) ((uint16_t *)kt)[o] = f2bf(kx);
+                    else ((float *)kt)[o] = kx;
+                    const float x = fabsf(kx), m = ka[d];
                     ka[d] = (x != x || m != m) ? NAN : (x > m ? x : m);
                 }
             }
@@ -1536,13 +1540,13 @@ int kvpass_tailor_append_packed(const int64_t *a) {
     return kvpass_tailor_append(P_(const float *, a[0]), a[1], a[2], a[3], P_(const float *, a[4]), a[5], a[6], a[7],
                                 P_(float *, a[8]), a[9], a[10], a[11], P_(float *, a[12]), a[13], a[14], a[15],
                                 P_(void *, a[16]), a[17], a[18], a[19], a[20], P_(float *, a[21]), a[22], a[23],
-                                a[24], a[25], a[26], a[27], a[28]);
+                                a[24], a[25], a[26], a[27], a[28], a[29], a[30]);
 }
 
 """
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SELECT_ARGS, _APPEND_ARGS = 35, 29  # the packed functions' int64 arrays
+_SELECT_ARGS, _APPEND_ARGS = 35, 31  # the packed functions' int64 arrays
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
 
@@ -1562,6 +1566,10 @@ def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
     # an empty tensor is never read (and .contiguous() keeps its strides)
     return (type(t) is torch.Tensor and t.is_cpu and t.dtype == dtype
             and (t.stride(-1) == 1 or t.numel() == 0))
+
+
+def _cpu_fp32(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.is_cpu and t.dtype == torch.float32
 
 
 def _queries(q: torch.Tensor | None, b: int, d: int) -> bool:
@@ -1693,17 +1701,18 @@ class CpuStep:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, at: int) -> bool:
         """The decode append (:func:`tailor_append_cpu`) into this step's ``k, v, kT, kabs``; False, having
-        written nothing, where ``k_new, v_new`` are not fp32 CPU ``(B, H_kv, T, D)`` with contiguous last
-        dims or ``[at, at + T)`` leaves the capacity."""
+        written nothing, where ``k_new, v_new`` are not fp32 CPU ``(B, H_kv, T, D)`` (any strides: a batched
+        step's V comes transposed) or ``[at, at + T)`` leaves the capacity."""
         b, h, t, d = k_new.shape
-        if (self._aa is None or self.kabs is None or t == 0 or not _plain_cpu(k_new, torch.float32)
-                or not _plain_cpu(v_new, torch.float32) or (b, h, d) != (self.b, self.h, self.d)
-                or v_new.shape != k_new.shape or at < 0 or at + t > self.cap):
+        if (self._aa is None or self.kabs is None or t == 0 or not _cpu_fp32(k_new) or not _cpu_fp32(v_new)
+                or (b, h, d) != (self.b, self.h, self.d) or v_new.shape != k_new.shape or at < 0
+                or at + t > self.cap):
             return False
         a = self._aa
-        a[0:8] = (k_new.data_ptr(), *k_new.stride()[:3], v_new.data_ptr(), *v_new.stride()[:3])
+        ks, vs = k_new.stride(), v_new.stride()
+        a[0:8] = (k_new.data_ptr(), ks[0], ks[1], ks[2], v_new.data_ptr(), vs[0], vs[1], vs[2])
         a[26] = t
-        a[28] = at
+        a[28:31] = (at, ks[3], vs[3])
         self._append_fn(a)
         return True
 
@@ -1782,9 +1791,9 @@ def tailor_append_cpu(k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor,
     """A sparse layer's decode append in one C call: ``k_new, v_new (B, H, T, D)`` into the host tier
     ``k, v (B, H, cap, D)`` at ``[at, at + T)``, the keys into the channel-major ``kT (B, H, D, cap)``
     (bfloat16, rounded as torch rounds, or fp32) and ``kabs (B, H, D) = max(kabs, |k_new|)`` over the new
-    tokens, in place. fp32 CPU tensors with contiguous last dims (kT: its last dim); returns False, having
-    written nothing, where these operands do not qualify or the C library is not built (the caller then
-    runs its torch ops)."""
+    tokens, in place. fp32 CPU tensors (k, v, kabs with contiguous last dims; kT bf16 or fp32); returns
+    False, having written nothing, where these operands do not qualify or the C library is not built (the
+    caller then runs its torch ops)."""
     try:
         step = CpuStep(k, v, kT, kabs)
     except ValueError:

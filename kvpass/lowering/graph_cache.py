@@ -107,6 +107,7 @@ def restore(key: str, backend: KVPassBackend) -> bool:
                                       row["pattern"].removesuffix(" (owned)"))
             if "estimate" in row:
                 info.estimate = row["estimate"]
+            info.fetch_in_attention = row.get("fetch") == "in attention"
             if "heads" in row:
                 backend._heads[row["site"]] = row["heads"]
         backend._record_graph(kind, rows, unmatched, linears)

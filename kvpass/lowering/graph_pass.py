@@ -59,6 +59,12 @@ def insert_node(graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.No
     return new
 
 
+def _device(m: SiteMatch) -> torch.device:
+    """The device a site's attention runs on (its query's; CUDA where the trace carries no value)."""
+    q = _val(m.q)
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cuda")
+
+
 def _cache_updates_without_sdpa(graph: fx.Graph) -> int:
     """Cache updates (cat of a graph input along the sequence) in a graph with no SDPA node: the
     signature of attention written as matmul + softmax (attn_implementation="eager")."""
@@ -145,6 +151,8 @@ class KVPassGraphPass(CustomGraphPass):
             "pattern": m.pattern + (" (owned)" if m.own is not None and backend.own_cache else ""),
             "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
         }
+        if m.own is not None and "fetch" in m.own and m.own["fetch"] is None:
+            row["fetch"] = "in attention"  # kept in the graph's record: a cache hit restores it
         if site in backend._heads:
             row["heads"] = backend._heads[site]  # kept in the graph's record: a cache hit restores it
         return row
@@ -171,7 +179,17 @@ class KVPassGraphPass(CustomGraphPass):
         be copied, prefetch with their true query."""
         from kvpass.lowering.estimate import find_residuals, insert_estimate, layer_prefix, query_slice
 
-        owned = [(m, r) for m, r in zip(sites, rows) if m.own is not None and "fetch" in m.own]
+        policy = self._backend().policy
+        owned = []
+        for m, r in zip(sites, rows):
+            if m.own is None or "fetch" not in m.own:
+                continue
+            if policy.prefetches_on(_device(m)):
+                owned.append((m, r))
+            else:
+                info = self._backend().runtime.info(r["site"])
+                info.estimate = r["estimate"] = (f"none (on {_device(m).type} the true query picks the "
+                                                 "channels; early_estimate=True estimates)")
         owned.sort(key=lambda mr: (mr[0].layer if mr[0].layer is not None else -1))
         slices = []
         for m, _ in owned:
@@ -192,14 +210,17 @@ class KVPassGraphPass(CustomGraphPass):
                 q_hat = insert_estimate(graph, sl, prev[0], prev[1].new)
                 source = prev[0].layer
                 why = "" if q_hat is not None else "the residual inputs differ in shape or dtype"
-            fetch = m.own["fetch"]
+            fetch = m.own["fetch"]  # None: the attention fetches, and takes the prefetch's ticket itself
             if q_hat is None:
-                anchor, q_in = fetch, m.q
+                anchor, q_in = fetch if fetch is not None else m.new, m.q
             else:
                 anchor, q_in = q_hat.next, q_hat
             node = self._insert(graph, anchor, torch.ops.kvpass.prefetch.default,
                                 (q_in, m.own["k_past"], self._handle, row["site"], q_hat is not None), m.sdpa)
-            fetch.args = (*fetch.args[:4], node)
+            if fetch is not None:
+                fetch.args = (*fetch.args[:4], node)
+            else:
+                m.new.args = (*m.new.args[:-1], node)
             info.estimate = f"layer {source}" if q_hat is not None else f"none ({why})"
             row["estimate"] = info.estimate
             counters["kvpass"]["prefetches_inserted"] += 1
@@ -229,11 +250,14 @@ class KVPassGraphPass(CustomGraphPass):
         o = m.own
         fetched = None
         backend = self._backend()
-        if backend is not None and backend.policy.fetches:
-            fetched = self._insert(graph, m.sdpa, torch.ops.kvpass.fetch.default,
-                                   (m.q, o["k_past"], self._handle, site), m.sdpa)
-            o["fetch"] = fetched
-            counters["kvpass"]["fetches_inserted"] += 1
+        policy = backend.policy if backend is not None else None
+        if policy is not None and policy.fetches:
+            if policy.fetches_on(_device(m)):
+                fetched = self._insert(graph, m.sdpa, torch.ops.kvpass.fetch.default,
+                                       (m.q, o["k_past"], self._handle, site), m.sdpa)
+                counters["kvpass"]["fetches_inserted"] += 1
+            o["fetch"] = fetched  # None: the attention fetches (the state must know: a missing op is loud)
+            backend.runtime.info(site).fetch_in_attention = fetched is None
         args = (
             m.q,
             o["k_new"],

@@ -8,6 +8,8 @@ import json
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpass.runtime.state import SiteInfo, SiteState
 
 _REGISTRY: dict[str, type[Policy]] = {}
@@ -110,6 +112,16 @@ class Policy:
         """True when the pass must also insert ``kvpass::prefetch`` for each site, fed with the site's
         query estimated one layer early (implies ``fetches``)."""
         return False
+
+    def fetches_on(self, device: torch.device) -> bool:
+        """Whether the pass inserts the ``kvpass::fetch`` op (policies that ``fetches``) in a decode graph
+        whose attention runs on ``device``; where it does not, the policy's attention fetches itself."""
+        return self.fetches
+
+    def prefetches_on(self, device: torch.device) -> bool:
+        """Whether the pass inserts ``kvpass::prefetch`` with the query estimated one layer early (policies
+        that ``prefetches``) in a decode graph whose attention runs on ``device``."""
+        return self.prefetches
 
     def describe(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())

@@ -27,6 +27,10 @@ class TailorKV(Policy):
       from the host tier. At layer l, ``kvpass::fetch`` scores the tokens with those channels and the
       true query, and copies the ``sparse_budget - static_tokens`` best tokens' K and V; they are
       attended with the ``static_tokens`` kept on the device (the first ``sinks`` and the most recent).
+      ``early_estimate``: None (the default) estimates where the attention runs on an accelerator,
+      whose host tier is another memory; on CPU the attention op itself picks the channels from the
+      true query and reads the host tier in place (no prefetch or fetch op, no second q projection).
+      True estimates on CPU too (the paper's selection, for comparing it); False never.
 
     ``P`` per layer (the mean over heads and the last ``calib_queries`` prompt queries of the attention
     mass *outside* the top ``calib_topk`` fraction of keys; the paper's ``n_q - Σ top-k`` divided by
@@ -36,8 +40,8 @@ class TailorKV(Policy):
     - ``"auto"``: computed at the first prefill of a sequence from its own prompt;
     - a path or a :class:`kvpass.tailorkv.Profile`: from :func:`kvpass.tailorkv.calibrate`.
 
-    Needs the runtime to own the cache (DynamicCache, the default ``own_cache=True``); refuses left
-    padding, StaticCache and cache crops."""
+    Needs the runtime to own the cache (DynamicCache, the default ``own_cache=True``); refuses
+    StaticCache and cache crops."""
 
     tau: float = 0.2
     quant_bits: int = 1
@@ -50,6 +54,7 @@ class TailorKV(Policy):
     profile: Any = None
     calib_queries: int = 64
     calib_topk: float = 0.05
+    early_estimate: bool | None = None
     name = "TailorKV"
 
     def __post_init__(self):
@@ -93,6 +98,8 @@ class TailorKV(Policy):
         t = self.calib_topk
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
             raise ValueError(f"kvpass: TailorKV needs 0 < calib_topk <= 1, got calib_topk={t!r}")
+        if self.early_estimate not in (None, True, False):
+            raise ValueError(f"kvpass: TailorKV needs early_estimate None, True or False, got {self.early_estimate!r}")
         p = self.profile
         if isinstance(p, (str, Path)) and str(p) != "auto":
             from kvpass.tailorkv import Profile
@@ -128,9 +135,21 @@ class TailorKV(Policy):
     def prefetches(self) -> bool:
         return True
 
+    def fetches_on(self, device) -> bool:
+        # on CPU the host tier is the memory the attention reads: no copy for a separate op to issue
+        # early, so the attention selects and reads in place (one op a site instead of two)
+        return device.type != "cpu"
+
+    def prefetches_on(self, device) -> bool:
+        # the estimate exists to start the host-to-device copy a layer early; on CPU it would only add a
+        # second q projection a layer, and the true query at hand picks the channels at least as well
+        return self.early_estimate if self.early_estimate is not None else device.type != "cpu"
+
     def graph_key(self) -> str:
-        # a fetch before each owned attention and a prefetch with the query estimated one layer early
-        return "kvpass::attention+fetch+prefetch"
+        # a fetch before each owned attention and a prefetch with the query estimated one layer early,
+        # where the device asks for them (fetches_on, prefetches_on): the graph depends on early_estimate
+        estimate = {None: "", True: "+estimate", False: "-estimate"}[self.early_estimate]
+        return "kvpass::attention+fetch+prefetch" + estimate
 
     @classmethod
     def with_budget(cls, budget: int, **kw) -> TailorKV:

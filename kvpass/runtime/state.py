@@ -70,6 +70,7 @@ class SiteInfo:
     pattern: str = "?"
     graphs: int = 0
     estimate: str = "-"  # where a prefetching policy's query estimate comes from (the pass decides)
+    fetch_in_attention: bool = False  # a fetching policy's graph has no kvpass::fetch here (the pass decides)
 
 
 @dataclasses.dataclass

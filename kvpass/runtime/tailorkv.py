@@ -375,14 +375,19 @@ class TailorState(SiteState):
         copy the top-k tokens' K and V to the device tier."""
         ticket = super().fetch(q, past)
         self.plan = None
+        self._fetch_step(q, past)
+        return ticket
+
+    def _fetch_step(self, q: torch.Tensor, past: int) -> None:
+        """The fetch of a decode step with ``past`` cached tokens, by the op or (CPU) by the attention."""
         if self.tier != SPARSE or q.shape[2] != 1 or past == 0 or past != self.logical:
-            return ticket
+            return
         t0 = time.perf_counter()
         if self._in_c(q) and q.shape[0] == self.kabs.shape[0]:
             with _range("kvpass.select"):
                 self._fetch_in_c(q, past + 1, cosine=True)
             self.overhead_decode_s += time.perf_counter() - t0
-            return ticket
+            return
         if self.q_hat is not None:
             self._estimate_cosine(q[:, :, 0])
         self._wait(q.device)
@@ -390,7 +395,6 @@ class TailorState(SiteState):
             with _range("kvpass.select"):
                 self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
         self.overhead_decode_s += time.perf_counter() - t0
-        return ticket
 
     def _estimate_cosine(self, q: torch.Tensor) -> None:
         """Add this step's mean cosine similarity of the estimate ``q̂`` to the true ``q (B, H_q, D)``
@@ -422,10 +426,11 @@ class TailorState(SiteState):
         elif n_mid <= p.topk:
             picked = torch.arange(n_s, mid_end, device=dev).expand(*q.shape[:1], host_k.shape[1], -1)
         else:
-            if self.k_ch is None:  # no prefetch ran for this step (first step of an adopted cache)
+            if self.k_ch is None:  # no prefetch ran for this step (no prefetch op, an adopted cache)
                 self._prefetch(q, length)
                 self._wait(dev)
             idx, _ = partial_topk(q, self.k_ch, self.ch, p.topk, n_mid)
+            self.ch = self.k_ch = None  # this step's: the next one prefetches (or, with no prefetch op, here)
             picked = idx + n_s  # k < n_mid: never -1
         if picked is not None:
             self.sel_k = take_rows(host_k, picked).to(dev, non_blocking=True)  # (B, H_kv, k, D)
@@ -532,6 +537,8 @@ class TailorState(SiteState):
             self._reorder(rows, q, length)
         if t > 1:
             return self._chunk(q, k_new, v_new, attn_mask, scale, is_causal)
+        if self.info.fetch_in_attention and self.plan is None:
+            self._fetch_step(q, past)  # this graph has no kvpass::fetch (CPU): the fetch runs here
         return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
 
     def _reorder(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
