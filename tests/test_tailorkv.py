@@ -36,6 +36,8 @@ from tiny import generate, prompt, tiny_llama
         ({"profile": 3}, "profile None, 'auto', a path"),
         ({"profile": "/nonexistent/p.json"}, "does not exist; make one with kvpass.tailorkv.calibrate"),
         ({"sparse_budget": 1024.0}, "integer sparse_budget"),
+        ({"early_estimate": 1}, "early_estimate None, True or False"),
+        ({"early_estimate": "yes"}, "early_estimate None, True or False"),
     ],
 )
 def test_bad_values_name_the_fix(kw, match):
@@ -47,6 +49,14 @@ def test_graph_key_and_budget():
     p = TailorKV()
     assert p.fetches and p.prefetches and p.topk == 1024 - 128
     assert p.graph_key() != Full().graph_key()
+    # the estimate shapes the graph: policies that differ in it never share compiled graphs (set_policy)
+    keys = {TailorKV(early_estimate=e).graph_key() for e in (None, True, False)}
+    assert len(keys) == 3 and p.graph_key() == TailorKV(tau=0.3).graph_key()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    on = (p.fetches_on(cpu), p.prefetches_on(cpu), p.fetches_on(cuda), p.prefetches_on(cuda))
+    assert on == (False, False, True, True)
+    assert TailorKV(early_estimate=True).prefetches_on(cpu)
+    assert not TailorKV(early_estimate=False).prefetches_on(cuda)
     assert TailorKV.with_budget(256).sparse_budget == 256
     assert len({TailorKV().key(), TailorKV(tau=0.3).key(), TailorKV(critical_channels=4).key()}) == 3
 

@@ -98,8 +98,9 @@ class TailorKV(Policy):
         t = self.calib_topk
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
             raise ValueError(f"kvpass: TailorKV needs 0 < calib_topk <= 1, got calib_topk={t!r}")
-        if self.early_estimate not in (None, True, False):
-            raise ValueError(f"kvpass: TailorKV needs early_estimate None, True or False, got {self.early_estimate!r}")
+        e = self.early_estimate
+        if not (e is None or type(e) is bool):  # 1 == True: the type, not membership
+            raise ValueError(f"kvpass: TailorKV needs early_estimate None, True or False, got {e!r}")
         p = self.profile
         if isinstance(p, (str, Path)) and str(p) != "auto":
             from kvpass.tailorkv import Profile
