@@ -151,7 +151,7 @@ class KVPassGraphPass(CustomGraphPass):
             "pattern": m.pattern + (" (owned)" if m.own is not None and backend.own_cache else ""),
             "query_len": int(q_len) if isinstance(q_len, int) else str(q_len),
         }
-        if m.own is not None and "fetch" in m.own and m.own["fetch"] is None:
+        if m.own is not None and backend.runtime.info(site).fetch_in_attention:
             row["fetch"] = "in attention"  # kept in the graph's record: a cache hit restores it
         if site in backend._heads:
             row["heads"] = backend._heads[site]  # kept in the graph's record: a cache hit restores it
@@ -184,12 +184,13 @@ class KVPassGraphPass(CustomGraphPass):
         for m, r in zip(sites, rows):
             if m.own is None or "fetch" not in m.own:
                 continue
-            if policy.prefetches_on(_device(m)):
+            dev = _device(m)
+            if policy.prefetches_on(dev):
                 owned.append((m, r))
             else:
                 info = self._backend().runtime.info(r["site"])
-                info.estimate = r["estimate"] = (f"none (on {_device(m).type} the true query picks the "
-                                                 "channels; early_estimate=True estimates)")
+                info.estimate = r["estimate"] = (f"none (on {dev.type} the true query picks the channels; "
+                                                 "early_estimate=True estimates)")
         owned.sort(key=lambda mr: (mr[0].layer if mr[0].layer is not None else -1))
         slices = []
         for m, _ in owned:
