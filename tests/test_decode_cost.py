@@ -1,14 +1,16 @@
 """``kvpass bench --decode-cost`` on the tiny random Llama (structure only: the times mean nothing).
 
 One module-scoped run of :func:`run_decode_cost` (every default policy and eager, contexts 64 and 320 on
-the tiny model limited to 256 positions, so that 320 is past its window, batch 1), then a rerun into the
-same folder with batches 1 and 2 for Full alone, which must skip every finished cell and run only the
-batch-2 cells (eager and Full: one compile); then checks on the rows, the bytes model (by hand from the
+the tiny model limited to 256 positions, so that 320 is past its window, batch 1, two rounds interleaving
+every graph key's cells), then a rerun into the same folder with batches 1 and 2 for Full alone, which must
+skip every finished cell and run only the batch-2 cells (eager and Full: one compile, three rounds); then checks on the rows, the bytes model (by hand from the
 config), the breakdown and the page. Three compiles dominate: 84 s of CPU in all (measured; 211 s of wall
 time while two other test processes shared the 2 cores).
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -40,15 +42,24 @@ def run(model, tokenizer, tmp_path_factory):
     policies = dc.parse_policies(dc.DEFAULT_POLICIES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    calls, run_cell = [], dc._run_cell
+
+    def recording(model, fwd, backend, policy, context, batch, *a, **k):
+        calls.append((policy if policy == dc.EAGER else policy.describe(), context, batch, backend))
+        return run_cell(model, fwd, backend, policy, context, batch, *a, **k)
+
+    dc._run_cell = recording
     try:
-        first = dc.run_decode_cost(model, tokenizer, policies, CONTEXTS, [1], out, **KW)
+        first = dc.run_decode_cost(model, tokenizer, policies, CONTEXTS, [1], out, **KW, rounds=2)
         n_first = len(load_results(out / dc.RESULTS))
-        # resume: the batch-1 cells are in the file; only eager and Full at batch 2 are new, in two rounds
-        again = dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1, 2], out, **KW, rounds=2)
+        first_calls = list(calls)
+        # resume: the batch-1 cells are in the file; only eager and Full at batch 2 are new, in three rounds
+        again = dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1, 2], out, **KW, rounds=3)
     finally:
+        dc._run_cell = run_cell
         torch.set_num_threads(threads)
     rows = load_results(out / dc.RESULTS)
-    return out, policies, rows, (first, n_first, again)
+    return out, policies, rows, (first, n_first, again, first_calls)
 
 
 def test_rows_for_every_policy_and_eager(run):
@@ -61,7 +72,8 @@ def test_rows_for_every_policy_and_eager(run):
         assert ((BATCH_CONTEXT, 2) in cells) == (name in ("eager", "Full()"))
     for r in rows:
         assert r["ms_per_token"] > 0 and len(r["step_ms"]) == 2 * r["rounds"] and r["threads"] == 1
-        assert r["rounds"] == (2 if r["batch"] == 2 else 1) and len(r["round_ms"]) == r["rounds"]
+        assert r["rounds"] == (3 if r["batch"] == 2 else 2) and len(r["round_ms"]) == r["rounds"]
+        assert r["sites"] == 2 and r["tokens_attended"] > 0  # the cell's own backend ran its 2 layers
         assert r["graphs_compiled_timed"] == 0, r["policy"]
         assert r["graphs_compiled_warmup"] == 0, (r["policy"], r["context"], r["batch"])  # the backend warm-up did it
         assert r["bytes"]["total"] == r["bytes"]["weights"] + r["bytes"]["kv"] + r["bytes"]["metadata"]
@@ -77,8 +89,26 @@ def test_rows_for_every_policy_and_eager(run):
             assert r["bytes"]["kv"] == r["tokens_attended"] * 2 * 2 * 16 * 4 * r["batch"]
 
 
+def test_rounds_interleave_every_graph_key(run):
+    _, policies, _, (_, _, _, calls) = run
+    # round 1 runs every cell once, eager, Full, the shared-graph policies and TailorKV (a graph of its own)
+    # alike, each with its own backend; round 2 runs them in the opposite order
+    n = len(calls) // 2
+    first, second = calls[:n], calls[n:]
+    assert len(calls) == 2 * n == 2 * (len(policies) + 1) * len(CONTEXTS)
+    assert second == first[::-1]
+    keys = {c[0]: (None if c[3] is None else c[3].policy.graph_key()) for c in first}
+    assert len(set(keys.values())) == 3  # eager, kvpass::attention, TailorKV's
+    assert all(c[3] is None for c in first if c[0] == dc.EAGER)
+    # one backend per graph key, every cell on the backend of its key
+    by_key = {}
+    for name, _, _, backend in first:
+        if backend is not None:
+            assert by_key.setdefault(keys[name], backend) is backend
+
+
 def test_resume_skips_finished_cells(run):
-    _, _, rows, (first, n_first, again) = run
+    _, _, rows, (first, n_first, again, _) = run
     assert len(rows) == n_first + 2  # eager and Full at (64, 2)
     done = {(r["policy"], r["context"], r["batch"]): r["finished"] for r in first}
     for r in again:
@@ -91,12 +121,11 @@ def test_resume_skips_finished_cells(run):
 def test_rounds_merge_to_the_median_of_round_medians(run):
     _, _, rows, _ = run
     for r in rows:
-        if r["rounds"] == 2:
-            # each round's median is its own 2 steps' median: the merged row keeps them in run order
-            halves = [r["step_ms"][:2], r["step_ms"][2:]]
-            assert r["round_ms"] == pytest.approx([sum(h) / 2 for h in halves])
-            assert r["ms_per_token"] == pytest.approx(sum(r["round_ms"]) / 2)
-            assert r["min_ms"] == min(r["step_ms"])
+        # each round's median is its own 2 steps' median: the merged row keeps them in run order
+        parts = [r["step_ms"][i: i + 2] for i in range(0, len(r["step_ms"]), 2)]
+        assert r["round_ms"] == pytest.approx([sum(h) / 2 for h in parts]) and len(parts) == r["rounds"]
+        assert r["ms_per_token"] == pytest.approx(statistics.median(r["round_ms"]))
+        assert r["min_ms"] == min(r["step_ms"])
     parts = [{"ms_per_token": m, "min_ms": m - 1, "step_ms": [m], "warmup_ms": [9.0], "graphs_compiled_warmup": 1,
               "graphs_compiled_timed": g, "tokens_attended": i} for i, (m, g) in enumerate([(5.0, 0), (50.0, 1), (7.0, 0)])]
     merged = dc.merge_rounds(parts)

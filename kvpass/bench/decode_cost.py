@@ -22,14 +22,16 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   ``out = fwd(input_ids=ids, past_key_values=cache, use_cache=True)`` under ``torch.no_grad()``.
 - **Time**: ``--warmup-steps`` steps are dropped (the policy adopts the real cache at its first step and
   builds its metadata there), then the median ms/token of ``--steps`` timed steps. Each graph key is
-  compiled once per thread count (``torch._dynamo.reset()`` between them, ``dynamic=True``) and warmed up
-  on short contexts at batch 1 and 2 first; the row records how many graphs were compiled during its
+  compiled once per thread count (one backend each, ``dynamic=True``; ``torch._dynamo.reset()`` between
+  thread counts, dynamo's recompile limit raised to hold every key's graphs at once) and warmed up on
+  short contexts at batch 1 and 2 first; the row records how many graphs were compiled during its
   warm-up and its timed steps (``len(backend.graphs)``; 0 expected in the timed steps).
-- **Rounds** (``--rounds R``, default 1): each graph key's cells are measured R times, one cell after the
-  other and in the opposite order every other round, each time with a fresh cache and its dropped steps;
-  ms/token is the median of the R medians (``round_ms`` keeps them). Full and the selection policies share
-  one graph, so their floors are measured interleaved with them: a slow spell of a shared machine then moves
-  the floor and the policy alike instead of one of them. A key's rows are written when its last round ends.
+- **Rounds** (``--rounds R``, default 1): every cell of a thread count (eager, Full and every policy,
+  whatever graph it runs) is measured R times, one cell after the other and in the opposite order every
+  other round, each time with a fresh cache and its dropped steps; ms/token is the median of the R medians
+  (``round_ms`` keeps them). The floors (Full) are thus measured interleaved with every policy: a slow
+  spell of a shared machine moves the floor and the policy alike instead of one of them. A thread count's
+  rows are written when its last round ends.
   A compressed cell below 0.9× its floor (:data:`DISTURBED`) is marked ‡ on the page: the two were measured
   on a machine running at different speeds.
 - **Statistic** (``--statistic median|min``, default median): what ms/token is on the tables and the page
@@ -95,6 +97,9 @@ EAGER = "eager"
 BUCKETS = ("selection", "gather+attention", "bookkeeping", "runtime", "rest")
 RANGES = {"kvpass.select": "selection", "kvpass.attend": "gather+attention", "kvpass.bookkeeping": "bookkeeping"}
 _WARM_CONTEXTS = (48, 80)
+# dynamo recompile limit a graph key needs: batch 1 and 2, each within and past the model's positions, and
+# the adopted first step (Full's key compiled 4 on SmolLM2 in bench_out/cost-s27), with room
+_GRAPHS_PER_KEY = 8
 
 
 # --------------------------------------------------------------------------------------- bytes model
@@ -380,14 +385,18 @@ def run_decode_cost(
                     print(f"kvpass bench --decode-cost: {t} thread(s): bandwidth {bw['gbps']:.1f} GB/s (sum "
                           f"{bw['sum_gbps']:.1f}, copy {bw['copy_gbps']:.1f}, best of {bw['repeats']} x "
                           f"{bw['mb']} MB)", flush=True)
-                # eager first (nothing to compile), then one backend per graph key, the plain graph first
+                # eager first (nothing to compile), then one backend per graph key, the plain graph first;
+                # every key's graphs stay compiled (dynamo keeps a cache entry per backend) so that the
+                # rounds below interleave all cells, whatever graph they run
                 keys = list(dict.fromkeys(["eager"] + [p.graph_key() for _, p, _, _ in todo if p != EAGER]))
-                for gk in keys:
-                    cells = [g for g in todo if (g[1] == EAGER) == (gk == "eager")
-                             and (gk == "eager" or g[1].graph_key() == gk)]
-                    backend, fwd, compile_s = None, fwd_eager, 0.0
-                    if gk != "eager":
-                        torch._dynamo.reset()
+                key_cells = {gk: [g for g in todo if (g[1] == EAGER) == (gk == "eager")
+                                  and (gk == "eager" or g[1].graph_key() == gk)] for gk in keys}
+                runners: dict[str, tuple] = {"eager": (None, fwd_eager, 0.0)}
+                torch._dynamo.reset()
+                limit = torch._dynamo.config.recompile_limit
+                with torch._dynamo.config.patch(recompile_limit=max(limit, _GRAPHS_PER_KEY * len(keys))):
+                    for gk in keys[1:]:
+                        cells = key_cells[gk]
                         first = cells[0][1]
                         backend = kvpass(Full() if gk == Full().graph_key() else first, skinny_linear=skinny_linear)
                         fwd = torch.compile(fwd_eager, backend=backend, dynamic=True)
@@ -402,25 +411,30 @@ def run_decode_cost(
                                 cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, wc, b)))
                                 _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
                                 del cache
-                        compile_s = time.perf_counter() - t0
+                        runners[gk] = (backend, fwd, time.perf_counter() - t0)
                         if progress:
                             print(f"kvpass bench --decode-cost: compiled {len(backend.graphs)} graph(s) for {gk} "
-                                  f"in {compile_s:.0f} s ({t} thread(s))", flush=True)
-                    # rounds: every cell of the key once per round, the order reversed every other round, so
-                    # that a slow spell of the machine lands on all cells instead of a few consecutive ones
+                                  f"in {runners[gk][2]:.0f} s ({t} thread(s))", flush=True)
+                    # rounds: every cell of every key once per round, the order reversed every other round, so
+                    # that a slow spell of the machine lands on all cells (floors and policies alike) instead
+                    # of a few consecutive ones
+                    cells = [(gk, g) for gk in keys for g in key_cells[gk]]
                     parts: dict[tuple, list[dict]] = defaultdict(list)
                     for rnd in range(rounds):
-                        for cell in (cells if rnd % 2 == 0 else cells[::-1]):
+                        for gk, cell in (cells if rnd % 2 == 0 else cells[::-1]):
                             _, p, c, b = cell
+                            backend, fwd, _ = runners[gk]
                             profiled = rnd == rounds - 1 and c == batch_context and b in profile_batches
                             parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids(c, b),
                                                          steps=steps, warmup_steps=warmup_steps,
                                                          profile_steps=profile_steps if profiled else 0,
                                                          per_token=per_token, n_layers=n_layers))
                         if progress and rounds > 1:
-                            print(f"kvpass bench --decode-cost: {gk}: round {rnd + 1} of {rounds} done", flush=True)
-                    for cell in cells:
+                            print(f"kvpass bench --decode-cost: round {rnd + 1} of {rounds} done ({t} thread(s))",
+                                  flush=True)
+                    for gk, cell in cells:
                         _, p, c, b = cell
+                        compile_s = runners[gk][2]
                         row = merge_rounds(parts[cell])
                         row.update({
                             "model": model_name, "policy": EAGER if p == EAGER else p.describe(),
@@ -433,7 +447,7 @@ def run_decode_cost(
                             "prefill_s": prefill_s, "compile_s": compile_s, "kv_heads": kv_heads,
                             "head_dim": head_dim, "element_size": es,
                             "bandwidth": bw, "machine": machine, "command": command, "finished": _now(),
-                            "skinny_linear": skinny_linear, "rounds": rounds,
+                            "skinny_linear": skinny_linear, "rounds": rounds, "interleaved": "all keys",
                         })
                         wb = weight_bytes(model, b)
                         row["weight_bytes"] = wb
@@ -450,7 +464,7 @@ def run_decode_cost(
                                   f"{row['graphs_compiled_warmup']} / {row['graphs_compiled_timed']}"
                                   + (f", rounds {' '.join(f'{x:.1f}' for x in row['round_ms'])}" if rounds > 1 else ""),
                                   flush=True)
-                    del backend, fwd
+                    runners.clear()
     finally:
         torch.set_num_threads(old_threads)
         torch._dynamo.reset()
@@ -811,6 +825,7 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
     warm = sorted({r["warmup_steps"] for r in rows})
     compiled = sum(r["graphs_compiled_timed"] for r in rows)
     rounds = sorted({r.get("rounds", 1) for r in rows})
+    interleaved = all(r.get("interleaved") == "all keys" for r in rows)
     lines += [
         "",
         f"{len(rows)} cells, finished between {first} and {last} (UTC).",
@@ -832,12 +847,17 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
            "the fastest, `fastest ms`). ")
         + "Each graph key was compiled once per thread count and warmed up on short contexts first; graphs "
         f"compiled during timed steps, summed over all cells: **{compiled}**.",
-        *([f"- **Rounds**: every cell was measured in {', '.join(map(str, rounds))} round(s): each round runs "
-           "every cell of a graph key once (a fresh cache, the dropped steps, the timed steps), in the opposite "
-           "order every other round, so that the floors (Full) and the policies sharing the "
-           "`kvpass::attention` graph are measured interleaved in time; ms/token is the median of the rounds' "
-           "medians, and `rounds max / min` in the detail table is the slowest round over the fastest. TailorKV "
-           "compiles its own graph, so its rounds interleave with each other, not with Full's."]
+        *([f"- **Rounds**: every cell was measured in {', '.join(map(str, rounds))} round(s): "
+           + ("each round runs every cell of a thread count once (eager, Full and every policy, whatever graph it "
+              "runs: each graph key keeps its own compiled graphs), in the opposite order every other round, so "
+              "that the floors (Full) and every policy are measured interleaved in time; "
+              if interleaved else
+              "each round runs every cell of a graph key once (a fresh cache, the dropped steps, the timed steps), "
+              "in the opposite order every other round, so that the floors (Full) and the policies sharing the "
+              "`kvpass::attention` graph are measured interleaved in time (a policy with a graph of its own, "
+              "TailorKV, interleaves with its own cells only); ")
+           + "ms/token is the median of the rounds' medians, and `rounds max / min` in the detail table is the "
+           "slowest round over the fastest."]
           if rounds != [1] else []),
         f"- **Bytes a step must read**: the weights, {wb['weights'] / 1e6:.1f} MB (every parameter once: linear "
         "layers, norms, the LM head; a tied embedding once, as the LM head; an untied embedding one row per "
