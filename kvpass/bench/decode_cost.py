@@ -388,10 +388,11 @@ def run_decode_cost(
                 # eager first (nothing to compile), then one backend per graph key, the plain graph first;
                 # every key's graphs stay compiled (dynamo keeps a cache entry per backend) so that the
                 # rounds below interleave all cells, whatever graph they run
-                keys = list(dict.fromkeys(["eager"] + [p.graph_key() for _, p, _, _ in todo if p != EAGER]))
-                key_cells = {gk: [g for g in todo if (g[1] == EAGER) == (gk == "eager")
-                                  and (gk == "eager" or g[1].graph_key() == gk)] for gk in keys}
-                runners: dict[str, tuple] = {"eager": (None, fwd_eager, 0.0)}
+                key_cells: dict[str, list] = {EAGER: []}
+                for g in todo:
+                    key_cells.setdefault(EAGER if g[1] == EAGER else g[1].graph_key(), []).append(g)
+                keys = list(key_cells)
+                runners: dict[str, tuple] = {EAGER: (None, fwd_eager, 0.0)}
                 torch._dynamo.reset()
                 limit = torch._dynamo.config.recompile_limit
                 with torch._dynamo.config.patch(recompile_limit=max(limit, _GRAPHS_PER_KEY * len(keys))):
