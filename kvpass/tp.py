@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import fx
@@ -315,7 +315,7 @@ def _summary(all_ranks: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m kvpass.tp",
                                 description="kvpass on a tensor-parallel model (run by torchrun, one process per rank)")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
@@ -334,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     args.policies = [parse_policy(spec) for spec in args.policy or ["Full()"]]  # a bad spec fails at once
     if args.model == "tiny" and not args.dir:
         p.error("--model tiny needs --dir")
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that aborts prints where (Python frames of every thread)
     dist.init_process_group("gloo")
     try:
         from kvpass.api import constant_floats
@@ -348,10 +351,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 Path(args.json).write_text(json.dumps(gathered, indent=1, default=str))
             print(_summary(gathered), flush=True)
+        dist.barrier()  # no rank tears its group down while rank 0 still writes
     finally:
         dist.destroy_process_group()
-    return 0
+    # Done and written: leave without the interpreter's teardown, where torch's distributed and compile
+    # state once aborted a rank in CI after all its work (SIGABRT, "terminate called without an active
+    # exception"), failing a run whose results were complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
