@@ -61,11 +61,22 @@ def test_rows_agreement_and_bytes(run):
     assert all(r["tokens_per_s"] > 0 and r["x_full"] for r in rows)
 
 
+def test_cells_interleave_by_batch(run):
+    # every graph key (Full's, Quest's, CentroidKV's) compiled before the first timed cell, then each batch
+    # runs Full and every policy back to back: rows come out batch by batch, Full first in each
+    _, rows = run
+    names = ["Full()", Quest(budget=512, page_size=16).describe(), Quest(budget=32, page_size=8).describe(),
+             CentroidKV(cache_ratio=0.5).describe()]
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, n) for b in (1, 3) for n in names]
+    assert all(r["interleaved"] == "by batch" and r["graphs_compiled_timed"] == 0 for r in rows)
+
+
 def test_page(run, tmp_path):
     _, rows = run
     page = tp.write_page(rows, tmp_path / "throughput.md", "kvpass bench --throughput --model tiny")
     text = page.read_text()
     assert "kvpass bench --throughput --model tiny" in text and "| Quest" in text
+    assert "each batch size's cells (Full and every policy) run one after the other" in text
     assert (tmp_path / "throughput" / "throughput_1t.png").stat().st_size > 0
 
 

@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 
-from kvpass.bench.timing import cache_from, cache_tensors
+from kvpass.bench.timing import cache_from, cache_tensors, graph_keys_kept
 from kvpass.policies.base import Policy
 
 __all__ = ["DEFAULT_POLICIES", "RESULTS", "weight_bytes", "kv_bytes_per_token", "step_bytes", "measure_bandwidth",
@@ -97,9 +97,6 @@ EAGER = "eager"
 BUCKETS = ("selection", "gather+attention", "bookkeeping", "runtime", "rest")
 RANGES = {"kvpass.select": "selection", "kvpass.attend": "gather+attention", "kvpass.bookkeeping": "bookkeeping"}
 _WARM_CONTEXTS = (48, 80)
-# dynamo recompile limit a graph key needs: batch 1 and 2, each within and past the model's positions, and
-# the adopted first step (Full's key compiled 4 on SmolLM2 in bench_out/cost-s27), with room
-_GRAPHS_PER_KEY = 8
 
 
 # --------------------------------------------------------------------------------------- bytes model
@@ -393,9 +390,7 @@ def run_decode_cost(
                     key_cells.setdefault(EAGER if g[1] == EAGER else g[1].graph_key(), []).append(g)
                 keys = list(key_cells)
                 runners: dict[str, tuple] = {EAGER: (None, fwd_eager, 0.0)}
-                torch._dynamo.reset()
-                limit = torch._dynamo.config.recompile_limit
-                with torch._dynamo.config.patch(recompile_limit=max(limit, _GRAPHS_PER_KEY * len(keys))):
+                with graph_keys_kept(len(keys)):
                     for gk in keys[1:]:
                         cells = key_cells[gk]
                         first = cells[0][1]

@@ -4,16 +4,33 @@
 prefill is the time to the first one, decode ms/token ``(t_last - t_first) / (n - 1)``);
 :func:`generation_config` is greedy generation of exactly ``n`` tokens; :func:`answer_text` cuts the
 answer at ``<|im_end|>``; :func:`cache_tensors` and :func:`cache_from` take a prefilled cache apart and
-make fresh caches of its tensors (a prefill shared by several policies).
+make fresh caches of its tensors (a prefill shared by several policies); :func:`graph_keys_kept` lets
+several backends' graphs of one model stay compiled side by side (the benches interleave their cells).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-__all__ = ["Stamps", "generation_config", "answer_text", "cache_tensors", "cache_from"]
+__all__ = ["Stamps", "generation_config", "answer_text", "cache_tensors", "cache_from", "graph_keys_kept"]
+
+# dynamo recompile limit a graph key needs: batch 1 and 2, each within and past the model's positions, and
+# the adopted first step (Full's key compiled 4 on SmolLM2 in bench_out/cost-s27), with room
+GRAPHS_PER_KEY = 8
+
+
+@contextlib.contextmanager
+def graph_keys_kept(n_keys: int):
+    """``torch._dynamo.reset()``, then dynamo's recompile limit raised to hold ``n_keys`` graph keys' graphs
+    on one frame: each key compiled on a backend of its own stays compiled (dynamo keeps a cache entry per
+    backend and picks it by backend), so a bench can run every key's cells in one interleaved order."""
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=max(limit, GRAPHS_PER_KEY * n_keys)):
+        yield
 
 
 class Stamps:
