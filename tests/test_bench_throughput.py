@@ -62,8 +62,9 @@ def test_rows_agreement_and_bytes(run):
 
 
 def test_cells_interleave_by_batch(run):
-    # every graph key (Full's, Quest's, CentroidKV's) compiled before the first timed cell, then each batch
-    # runs Full and every policy back to back: rows come out batch by batch, Full first in each
+    # the graph key (Full, Quest and CentroidKV share kvpass::attention's) compiled before the first timed
+    # cell, then each batch runs Full and every policy back to back: rows come out batch by batch, Full
+    # first in each (keys of their own kept side by side: tests/test_decode_cost.py, with TailorKV)
     _, rows = run
     names = ["Full()", Quest(budget=512, page_size=16).describe(), Quest(budget=32, page_size=8).describe(),
              CentroidKV(cache_ratio=0.5).describe()]
