@@ -3,8 +3,8 @@
 One module-scoped run of :func:`run_decode_cost` (every default policy and eager, contexts 64 and 320 on
 the tiny model limited to 256 positions, so that 320 is past its window, batch 1, two rounds interleaving
 every graph key's cells), then a rerun into the same folder with batches 1 and 2 for Full alone, which must
-skip every finished cell and run only the batch-2 cells (eager and Full: one compile, three rounds); then checks on the rows, the bytes model (by hand from the
-config), the breakdown and the page. Three compiles dominate: 84 s of CPU in all (measured; 211 s of wall
+skip every finished cell and run only the batch-2 cells (eager and Full: one compile, three rounds); then
+checks on the rows, the bytes model (by hand from the config), the breakdown and the page. Three compiles dominate: 84 s of CPU in all (measured; 211 s of wall
 time while two other test processes shared the 2 cores).
 """
 
