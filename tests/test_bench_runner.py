@@ -193,3 +193,21 @@ def test_policy_label_names_what_sets_a_policy_apart():
 
     prof = Profile(config_key="k", model_type="llama", scores=((0, 0.5), (1, 0.1)))
     assert policy_label(TailorKV(profile=prof)) == "TailorKV profiled"
+
+
+def test_machine_names_the_cpu_model_and_its_vector_set(tmp_path):
+    """Rows from two machines of one architecture must not read alike: the CPU's model and widest vector
+    set (what the C kernels' width follows) join the architecture; without /proc/cpuinfo, the architecture."""
+    import platform
+
+    from kvpass.bench.runner import _processor
+
+    arch = platform.processor() or platform.machine()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 avx512f f16c\n")
+    assert _processor(info) == f"{arch} (AMD EPYC, AVX-512)"
+    info.write_text("model name\t: Some CPU\nflags\t\t: fpu sse2 avx avx2\n")
+    assert _processor(info) == f"{arch} (Some CPU, AVX2)"
+    info.write_text("flags\t\t: fpu sse2\n")
+    assert _processor(info) == arch
+    assert _processor(tmp_path / "absent") == arch

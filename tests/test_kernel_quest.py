@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpass.kernels.quest import (
+    BOUNDS_DTYPE,
+    quest_bounds,
     quest_page_minmax_ref,
     quest_page_scores,
     quest_page_scores_ref,
@@ -101,8 +103,8 @@ def _run_updates(p: PageUpdateProblem):
     kmax = (torch.randn((p.B, p.H_kv, P_cap, p.D), generator=gen) + 50).to(p.dtype)
     if p.prefix:
         mn, mx = quest_page_minmax_ref(keys, p.page_size, p.prefix)
-        kmin[:, :, : mn.shape[2]] = mn
-        kmax[:, :, : mx.shape[2]] = mx
+        kmin[:, :, : mn.shape[2]] = quest_bounds(mn, p.dtype, up=False)
+        kmax[:, :, : mx.shape[2]] = quest_bounds(mx, p.dtype, up=True)
     pos = p.prefix
     for t in p.chunks:
         quest_update_minmax_(kmin, kmax, keys[:, :, pos : pos + t], pos, p.page_size)
@@ -110,9 +112,10 @@ def _run_updates(p: PageUpdateProblem):
         n = -(-pos // p.page_size)
         if n:
             emin, emax = quest_page_minmax_ref(keys, p.page_size, pos)
-            # rounding to the buffer dtype is monotone, so min/max commute with it: exact equality
-            assert torch.equal(kmin[:, :, :n], emin.to(p.dtype)), (pos, t)
-            assert torch.equal(kmax[:, :, :n], emax.to(p.dtype)), (pos, t)
+            # rounding outward to the buffer dtype is monotone, so min/max commute with it: exact equality
+            assert torch.equal(kmin[:, :, :n], quest_bounds(emin, p.dtype, up=False)), (pos, t)
+            assert torch.equal(kmax[:, :, :n], quest_bounds(emax, p.dtype, up=True)), (pos, t)
+            assert (kmin[:, :, :n].float() <= emin).all() and (kmax[:, :, :n].float() >= emax).all()
 
 
 @given(p=page_update_problems())
@@ -233,15 +236,42 @@ def test_launcher_errors(monkeypatch):
 
 
 
+# -- the bounds' storage: fp16, rounded outward -------------------------------------------------------
+_EDGES = [0.0, -0.0, 1e-30, -1e-30, 6e-8, 65504.0, 65519.0, 65520.0, 7e4, 1e30, -65504.0, -65519.0, -7e4,
+          float("inf"), float("-inf"), 1.0, 1.0 + 2.0 ** -12, -(1.0 + 2.0 ** -12), 3.14159, -2.71828]
+
+
+@given(x=st.lists(st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from(_EDGES)), min_size=1,
+                  max_size=40),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_bounds_round_outward_to_the_nearest_value_past(x, dtype):
+    """A stored max is the least ``dtype`` value >= the fp32 one (a min: the greatest <=): still a bound,
+    and no looser than one step of the narrow type (past its range: +-inf for the max, +-65504 within)."""
+    v = torch.tensor(x, dtype=torch.float32)
+    up, down = quest_bounds(v, dtype, up=True), quest_bounds(v, dtype, up=False)
+    assert up.dtype == down.dtype == dtype
+    assert (up.float() >= v).all() and (down.float() <= v).all()
+    inf = torch.tensor(float("inf"), dtype=dtype)
+    below, above = torch.nextafter(up, -inf), torch.nextafter(down, inf)  # one step back toward v
+    assert ((below.float() < v) | (up == -inf)).all() and ((above.float() > v) | (down == inf)).all()
+    exact = v.to(dtype).float() == v
+    assert torch.equal(up[exact], v.to(dtype)[exact]) and torch.equal(down[exact], v.to(dtype)[exact])
+    assert torch.equal(quest_bounds(v, torch.float32, up=True), v)  # a dtype that holds it: unchanged
+
+
 # -- the CPU decode step's page choice in C ------------------------------------------------------------
+def _half_meta(kmax, kmin):
+    """Rows ``[max | min]`` as the runtime stores them: fp16, rounded outward."""
+    return torch.cat([quest_bounds(kmax, BOUNDS_DTYPE, up=True), quest_bounds(kmin, BOUNDS_DTYPE, up=False)], -1)
+
+
 def _top_inputs(b, h_kv, g, d, cap, integral, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h_kv * g, d, generator=gen)
     keys = torch.randn(b, h_kv, cap, 2, d, generator=gen)
-    if integral:  # small integers: every bound is exact in fp32, so ties are real and broken by page
+    if integral:  # small integers: every bound is exact in fp16, so ties are real and broken by page
         q, keys = q.mul(2).round(), keys.mul(2).round()
-    meta = torch.cat([keys.amax(3), keys.amin(3)], dim=-1)  # rows [max | min]
-    return q, meta
+    return q, _half_meta(keys.amax(3), keys.amin(3))
 
 
 @given(
@@ -260,7 +290,7 @@ def test_top_pages_cpu_matches_ref(b, h_kv, g, d, scored, n, gqa, integral, seed
     if integral:
         assert torch.equal(got, want)  # exact bounds: the same pages, ties to the lower page
         return
-    # fp32 bounds against float64 ones: a near-tie may rank either way, never a clearly worse page
+    # fp32 sums of the bounds against float64 ones: a near-tie may rank either way, never a clearly worse page
     qg = q.reshape(b, h_kv, g, d).double()
     qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)
     per_q = qq @ meta[:, :, :scored].double().transpose(-1, -2)
@@ -293,6 +323,30 @@ def test_top_pages_torch_path_chooses_the_same_pages(scored, n, gqa, seed):
         bound = per_q.sum(2) if gqa == "sum" else per_q.amax(2)
         a, b = bound.gather(2, got[..., :-1]).sum(-1), bound.gather(2, want[..., :-1]).sum(-1)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("big", [1e5, -1e5, 65520.0])
+@pytest.mark.parametrize("gqa", ["sum", "max"])
+def test_a_key_past_fp16s_range_makes_its_page_taken(big, gqa):
+    """A key past fp16's range stores an infinite bound; ``0 * inf`` (a query channel of the other sign, or
+    zero) would make the score NaN: every path counts it +inf, so the page is taken, never lost."""
+    from kvpass.kernels.quest import quest_select_torch, quest_top_pages_cpu, quest_top_pages_ref, quest_top_pages_torch
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 12, 4, 8, generator=gen)
+    keys[0, 1, 5, 2, 3] = big
+    meta = _half_meta(keys.amax(3), keys.amin(3))
+    assert meta[0, 1, 5].isinf().any()
+    q = torch.randn(1, 6, 8, generator=gen)
+    q[0, :, 3] = 0.0  # the channel's products are 0 * inf for every query
+    got = quest_top_pages_cpu(q, meta, 11, 2, gqa)
+    assert torch.equal(got, quest_top_pages_ref(q, meta, 11, 2, gqa))
+    assert 5 in got[0, 1].tolist()
+    assert 5 in quest_top_pages_torch(q, meta, 11, 2, gqa)[0, 1].tolist()
+    assert 5 in quest_select_torch(q, meta, None, 12 * 4, 4, 12, 2, 2, gqa)[0][0, 1].tolist()
+    scores = quest_page_scores_ref(q, meta[..., 8:], meta[..., :8], 11)
+    assert torch.equal(scores[0, 3:, 5], torch.full((3,), float("inf")))
+    assert not scores.isnan().any()
 
 
 def test_top_pages_cpu_errors():
@@ -376,18 +430,19 @@ def test_select_cpu_merges_the_steps_key_as_torch_does(b, h_kv, d, page, length,
     k_new = keys[..., 0] if strided else keys[..., 0].contiguous()
     n = max(budget // page - 1, 0)
     width = max(n, -(-budget // page) - 1)
-    want_meta = meta.clone()
+    meta_before, want_meta = meta.clone(), meta.clone()
     quest_fold_key_(want_meta, k_new, first, length, page)
     want = quest_select_cpu(q, want_meta.clone(), first, length, page, budget, n, width)
     got = quest_select_cpu(q, meta, first, length, page, budget, n, width, k_new=k_new)
     assert torch.equal(meta, want_meta)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    # the merge is the page's max and min with the key: the row's newest page holds the key's bounds
+    # the merge is the page's max and min with the key rounded outward: the newest page bounds the key
     for bi in range(b):
         f = 0 if first is None else int(first[bi])
         p = (length - 1 - f) // page
-        assert torch.equal(meta[bi, :, p, :d], torch.maximum(want_meta[bi, :, p, :d], k_new[bi]))
-        assert (meta[bi, :, p, :d] >= k_new[bi]).all() and (meta[bi, :, p, d:] <= k_new[bi]).all()
+        was = meta_before[bi, :, p].float()
+        assert torch.equal(meta[bi, :, p, :d], quest_bounds(torch.maximum(was[:, :d], k_new[bi]), meta.dtype, True))
+        assert (meta[bi, :, p, :d].float() >= k_new[bi]).all() and (meta[bi, :, p, d:].float() <= k_new[bi]).all()
 
 
 @given(b=st.integers(1, 3), h_kv=st.integers(1, 2), page=st.sampled_from([1, 4, 16]), length=st.integers(1, 60),
@@ -428,8 +483,8 @@ def test_quest_step_refusals():
     from kvpass.kernels.quest import QuestStep
 
     q, meta = _top_inputs(2, 1, 3, 8, 5, False, 0)
-    with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):
-        QuestStep(meta.half(), None, 4, 8)
+    with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs fp16"):
+        QuestStep(meta.float(), None, 4, 8)
     with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):
         QuestStep(meta, torch.zeros(3, dtype=torch.int64), 4, 8)
     with pytest.raises(ValueError, match="kvpass: a Quest CPU step needs"):

@@ -424,7 +424,7 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       floor F(N) reads those); the price of scattered rows.
     - ``quest_top_pages``: bounds of ``S / page_size`` pages and the top ``N / page_size``:
       :func:`~kvpass.kernels.quest.quest_top_pages_cpu` against
-      :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp32 a page).
+      :func:`~kvpass.kernels.quest.quest_top_pages_torch`; bytes: the page metadata (2 x D fp16 a page).
     - ``quest_select``: the runtime's Quest step, :meth:`~kvpass.kernels.quest.QuestStep.select` (the
       step's key merged into its page, the top pages and their ``N`` token positions, one C call)
       against :func:`~kvpass.kernels.quest.quest_select_torch`; bytes: the page metadata and the list.
@@ -503,19 +503,21 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             del q, k, v, idx, ws, kh, vh
 
             qq, kmin, kmax = _quest_inputs(s, "cpu", torch.float32)
-            meta = torch.cat([kmax, kmin], dim=-1).contiguous()
+            meta = torch.cat([quest.quest_bounds(kmax, quest.BOUNDS_DTYPE, up=True),
+                              quest.quest_bounds(kmin, quest.BOUNDS_DTYPE, up=False)], dim=-1).contiguous()
             P, n = meta.shape[2] - 1, s.N // s.page_size - 1
             c = lambda: quest.quest_top_pages_cpu(qq, meta, P, n)  # noqa: E731
             t = lambda: quest.quest_top_pages_torch(qq, meta, P, n)  # noqa: E731
+            mb = meta.element_size()
             add("quest_top_pages", s, _time_cpu(c, quick), _time_cpu(t, quick),
-                s.B * s.H_kv * P * 2 * s.D * 4 + s.B * s.H_q * s.D * 4, {"N": n + 1})
+                s.B * s.H_kv * P * 2 * s.D * mb + s.B * s.H_q * s.D * 4, {"N": n + 1})
             # the runtime's step: the key merged into its page, the top pages and their positions, one call
             q4, kc = qq[:, :, None], torch.randn(s.B, s.H_kv, s.S, s.D)
             step = quest.QuestStep(meta, None, s.page_size, s.N)
             c = lambda: step.select(q4, s.S, n, n, k_new=kc)  # noqa: E731
             t = lambda: quest.quest_select_torch(qq, meta, None, s.S, s.page_size, s.N, n, n)  # noqa: E731
             add("quest_select", s, _time_cpu(c, quick), _time_cpu(t, quick),
-                s.B * s.H_kv * P * 2 * s.D * 4 + s.B * s.H_q * s.D * 4 + s.B * s.H_kv * s.N * 8, {"N": s.N})
+                s.B * s.H_kv * P * 2 * s.D * mb + s.B * s.H_q * s.D * 4 + s.B * s.H_kv * s.N * 8, {"N": s.N})
             del q4, kc
             del qq, kmin, kmax, meta
 

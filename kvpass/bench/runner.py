@@ -94,7 +94,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _processor(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -103,6 +103,22 @@ def machine_info() -> dict[str, Any]:
         # no compiler)
         "native_kernels": _native_kernels(),
     }
+
+
+def _processor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The architecture, with the CPU's model and widest vector set where Linux says them (``x86_64 (AMD
+    EPYC, AVX-512)``): figures from two machines of one name are not comparable, and the C kernels' vector
+    width follows the second."""
+    arch = platform.processor() or platform.machine()
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return arch
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    extra = ", ".join(x for x in (model, isa) if x)
+    return f"{arch} ({extra})" if extra else arch
 
 
 def _native_kernels() -> bool:

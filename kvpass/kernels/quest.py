@@ -9,8 +9,14 @@ minimum and maximum of its keys; at decode the query scores every page with the 
 
 Scoring uses ``max(q*a, q*b) = relu(q) * max(a, b) + min(q, 0) * min(a, b)``, which holds for any
 ``a, b`` (kmin <= kmax is not assumed), so the score is two matrix products instead of a
-``(G, P, D)`` elementwise tensor. Metadata of live pages must be finite (``0 * inf`` is NaN in
-either form); pages at or beyond ``num_pages`` are never read and score ``-inf``.
+``(G, P, D)`` elementwise tensor. Pages at or beyond ``num_pages`` are never read and score ``-inf``.
+
+The runtime keeps the bounds in fp16 (:data:`BOUNDS_DTYPE`), each maximum rounded up and each minimum
+down (:func:`quest_bounds`), so they still bound every key of their page and the score still bounds
+every ``q·k`` of it, with half the bytes a decode step reads to score the pages (Quest keeps its
+metadata in the fp16 model's own dtype; Tang et al. 2024, section 4). A key beyond fp16's range gives
+an infinite bound; where ``0 * inf`` makes a score NaN, every scorer here counts it ``+inf`` (the
+page is taken: its bound is unknown, not small).
 
 Contents: :func:`quest_page_minmax_ref` and :func:`quest_update_minmax_` (plain torch: metadata is
 built once at prefill and patched per decode step, neither is worth a kernel), the Triton scorer
@@ -30,6 +36,8 @@ from ._triton import require_triton, tl, triton
 from .native import VECTOR
 
 __all__ = [
+    "BOUNDS_DTYPE",
+    "quest_bounds",
     "quest_page_minmax_ref",
     "quest_update_minmax_",
     "quest_page_scores",
@@ -46,6 +54,24 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # Page metadata (plain torch)
 # --------------------------------------------------------------------------------------------------
+
+# the dtype of the runtime's page bounds: half the bytes of fp32 for the step that reads them all
+BOUNDS_DTYPE = torch.float16
+
+
+def quest_bounds(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """``x`` in ``dtype``, rounded toward ``+inf`` (``up``: a page's maximum) or ``-inf`` (its minimum),
+    so that the stored value still bounds every key the exact one bounds. Any shape; a ``dtype`` that
+    holds ``x`` exactly returns it converted. Past fp16's range a maximum becomes ``+inf`` (a minimum
+    ``-inf``), and the other side's ``-65504`` or ``65504``."""
+    y = x.to(dtype)
+    if dtype == x.dtype or torch.finfo(dtype).bits > torch.finfo(x.dtype).bits:
+        return y
+    w = torch.promote_types(x.dtype, torch.float32)  # holds both exactly
+    off = y.to(w) < x.to(w) if up else y.to(w) > x.to(w)
+    toward = torch.full((), float("inf") if up else float("-inf"), dtype=dtype, device=y.device)
+    return torch.where(off, torch.nextafter(y, toward), y)
+
 
 
 def _pages_minmax(x: torch.Tensor, lead: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +132,9 @@ def quest_update_minmax_(
     """Update page metadata in place for new keys at positions ``[start, start + T)``.
 
     Args:
-        kmin, kmax: ``(B, H_kv, P_cap, D)`` metadata buffers (any float dtype), valid for positions
-            ``[0, start)``; slots of pages not yet opened may hold anything.
+        kmin, kmax: ``(B, H_kv, P_cap, D)`` metadata buffers (any float dtype; a narrower one than the
+            keys' holds them rounded outward, :func:`quest_bounds`), valid for positions ``[0, start)``;
+            slots of pages not yet opened may hold anything.
         k_new: ``(B, H_kv, T, D)`` new keys (T may be 0, may cross page boundaries and open pages).
         start: position of ``k_new[:, :, 0]`` (the number of tokens already summarised).
         page_size: tokens per page.
@@ -150,8 +177,8 @@ def quest_update_minmax_(
     if lead > 0:  # page p0 already summarises tokens [p0 * page_size, start)
         new_min[:, :, 0] = torch.minimum(new_min[:, :, 0], kmin[:, :, p0].float())
         new_max[:, :, 0] = torch.maximum(new_max[:, :, 0], kmax[:, :, p0].float())
-    kmin[:, :, p0 : p0 + n_pages] = new_min
-    kmax[:, :, p0 : p0 + n_pages] = new_max
+    kmin[:, :, p0 : p0 + n_pages] = quest_bounds(new_min, kmin.dtype, up=False)
+    kmax[:, :, p0 : p0 + n_pages] = quest_bounds(new_max, kmax.dtype, up=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,12 +228,18 @@ def _quest_page_scores_kernel(
         # max(q*a, q*c) = relu(q) * max(a, c) + min(q, 0) * min(a, c); fp32 "ieee": exact products
         s += tl.dot(tl.maximum(q, 0.0), tl.trans(hi), input_precision="ieee")
         s += tl.dot(tl.minimum(q, 0.0), tl.trans(lo), input_precision="ieee")
+    s = tl.where(s != s, float("inf"), s)  # 0 * inf: a bound past fp16's range, unknown (module docstring)
     s = tl.where(live[None, :], s, float("-inf"))
     tl.store(
         OUT + b * stride_ob + heads[:, None] * stride_oh + offs_p[None, :] * stride_op,
         s,
         mask=mask_g[:, None] & (offs_p < P)[None, :],
     )
+
+
+def _nan_up(s: torch.Tensor) -> torch.Tensor:
+    """Bounds ``s`` with each NaN (``0 * inf``: a bound past fp16's range) counted ``+inf``, in place."""
+    return s.nan_to_num_(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def _check_scores_inputs(q, kmin, kmax, num_pages, who: str) -> int:
@@ -304,7 +337,7 @@ def quest_page_scores_ref(
     hi, lo = torch.maximum(a, c), torch.minimum(a, c)
     s = torch.matmul(qf.clamp(min=0), hi.transpose(-1, -2))  # (B, H_kv, G, num_pages)
     s.add_(torch.matmul(qf.clamp(max=0), lo.transpose(-1, -2)))
-    out[:, :, :num_pages] = s.reshape(B, H_q, num_pages)
+    out[:, :, :num_pages] = _nan_up(s).reshape(B, H_q, num_pages)
     return out
 
 
@@ -323,6 +356,45 @@ _TOP_SOURCE = r"""
    site at batch 1, 1 thread); 4 to 24 pages ahead and a prefetch into every cache level read the same */
 #define PF 8
 typedef struct { float s; int64_t p; } cand_t;
+
+/* fp16 bounds (the rows of `meta`), read VW at a time as fp32 lanes */
+typedef _Float16 half;
+#if VW == 16
+#include <immintrin.h>
+static inline vf loadh(const half *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif VW == 8 && defined(__F16C__)
+#include <immintrin.h>
+static inline vf loadh(const half *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vf loadh(const half *p) { vf x; for (int i = 0; i < VW; i++) x[i] = (float)p[i]; return x; }
+#endif
+/* sum of r[d] * m[d], m fp16: two chains of adds where n % (2 VW) == 0, else one at a time */
+static inline float dot_half(const float *r, const half *m, int64_t n) {
+    if (n % (2 * VW) != 0) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < n; d++) acc += r[d] * (float)m[d];
+        return acc;
+    }
+    vf a0 = loadv(r) * loadh(m), a1 = loadv(r + VW) * loadh(m + VW);
+    for (int64_t d = 2 * VW; d < n; d += 2 * VW) {
+        a0 += loadv(r + d) * loadh(m + d);
+        a1 += loadv(r + d + VW) * loadh(m + d + VW);
+    }
+    return hsumv(a0 + a1);
+}
+/* the next fp16 toward +inf (up) or -inf: what torch.nextafter gives */
+static inline half half_step(half h, int up) {
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    if ((u & 0x7fff) == 0) u = up ? 0x0001 : 0x8001;
+    else if (u & 0x8000) u = up ? u - 1 : u + 1;
+    else u = up ? u + 1 : u - 1;
+    memcpy(&h, &u, 2);
+    return h;
+}
+/* x in fp16 rounded up (a page's max) or down (its min), as kvpass.kernels.quest.quest_bounds does */
+static inline half half_up(float x) { half h = (half)x; return (float)h < x ? half_step(h, 1) : h; }
+static inline half half_down(float x) { half h = (half)x; return (float)h > x ? half_step(h, 0) : h; }
 
 /* a before b in the ranking: higher score, then the lower page */
 static inline int better(cand_t a, cand_t b) { return a.s > b.s || (a.s == b.s && a.p < b.p); }
@@ -345,7 +417,7 @@ static inline __attribute__((always_inline)) void sift(cand_t *h, int64_t n, int
    NULL. heap (W), qq (2 D G) and mark (P) are scratch (restrict: a heap write must not make the compiler
    read qq again). */
 static inline __attribute__((always_inline)) void quest_pair(
-        const float *restrict qg, int64_t qs_h, const float *restrict mp, int64_t ms_p, int64_t *restrict o,
+        const float *restrict qg, int64_t qs_h, const half *restrict mp, int64_t ms_p, int64_t *restrict o,
         int64_t ps_n, int64_t *restrict x, int64_t f, int64_t L, int64_t page, int64_t P, int64_t k, int64_t W,
         int64_t G, int64_t D, int64_t gqa_max, cand_t *restrict heap, float *restrict qq, char *restrict mark) {
     int64_t rows = gqa_max ? G : 1;
@@ -360,11 +432,12 @@ static inline __attribute__((always_inline)) void quest_pair(
     }
     int64_t filled = 0;
     for (int64_t p = 0; p < P && k > 0; p++) {
-        const float *m = mp + p * ms_p;
-        if (p + PF < P) for (int64_t c = 0; c < 2 * D; c += 16) __builtin_prefetch(m + PF * ms_p + c, 0, 0);
+        const half *m = mp + p * ms_p;
+        if (p + PF < P) for (int64_t c = 0; c < 2 * D; c += 32) __builtin_prefetch(m + PF * ms_p + c, 0, 0);
         float best = 0.f;
         for (int64_t g = 0; g < rows; g++) {
-            float acc = dot_wide(qq + g * 2 * D, m, 2 * D);  /* 2D floats: 128 for SmolLM2 */
+            float acc = dot_half(qq + g * 2 * D, m, 2 * D);  /* 2D halves: 128 for SmolLM2 */
+            if (acc != acc) acc = __builtin_inff();  /* 0 * inf: a bound past fp16's range, unknown */
             if (g == 0 || acc > best) best = acc;
         }
         cand_t c = {best, p};
@@ -399,7 +472,7 @@ static inline __attribute__((always_inline)) void quest_pair(
 /* The arguments of kvpass_quest_select, for its pairs [lo, hi) */
 typedef struct {
     const float *q, *knew;
-    float *meta;
+    half *meta;
     const int64_t *first;
     int64_t *pages, *idx;
     int64_t qs_b, qs_h, ks_b, ks_h, ms_b, ms_h, ms_p, fs_b, ps_b, ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n,
@@ -423,10 +496,11 @@ static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
         if (a->knew && P >= 0) {
             /* the step's key (position L - 1) joins its page, the newest (P): a steady step's metadata update */
             const float *kn = a->knew + b * a->ks_b + h * a->ks_h;
-            float *m = a->meta + b * a->ms_b + h * a->ms_h + P * a->ms_p;
+            half *m = a->meta + b * a->ms_b + h * a->ms_h + P * a->ms_p;
             for (int64_t d = 0; d < a->D; d++) {
-                if (kn[d] > m[d]) m[d] = kn[d];
-                if (kn[d] < m[a->D + d]) m[a->D + d] = kn[d];
+                half hi = half_up(kn[d]), lo = half_down(kn[d]);
+                if (hi > m[d]) m[d] = hi;
+                if (lo < m[a->D + d]) m[a->D + d] = lo;
             }
         }
         quest_pair(a->q + b * a->qs_b + h * a->G * a->qs_h, a->qs_h, a->meta + b * a->ms_b + h * a->ms_h, a->ms_p,
@@ -447,15 +521,15 @@ static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
    page, as the row alone attends all of it), else min(n, P). Written to `pages` (W + 1 slots): the top
    k in ascending page order, then the newest, then -1. `idx` (may be NULL, last stride 1): the token
    positions of those pages in the cache, f + page * page_size + t, -1 past L or for a -1 page. meta rows
-   are [max | min] (2D fp32) in the row's own pages; gqa_max: the group's bound is the max of its
+   are [max | min] (2D fp16, rounded outward) in the row's own pages; gqa_max: the group's bound is the max of its
    queries' bounds, else their sum. The pairs split over up to `threads` threads of torch's OpenMP pool
-   (kvpass.kernels.native) when each gets at least 64k floats of bounds to read; one thread without
-   OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) at position L - 1, merged into its
-   row's newest page first (max and min), so that a steady decode step updates the metadata here rather
+   (kvpass.kernels.native) when each gets at least 64k bounds (128 KB) to read; one thread without
+   OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) fp32 at position L - 1, merged into
+   its row's newest page first (max rounded up, min down), so that a steady decode step updates the metadata here rather
    than in ops of its own. Returns 0, or -1 when scratch cannot be had. */
 int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
                         const float *knew, int64_t ks_b, int64_t ks_h,
-                        float *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
+                        half *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
                         const int64_t *first, int64_t fs_b,
                         int64_t *pages, int64_t ps_b, int64_t ps_h, int64_t ps_n,
                         int64_t *idx, int64_t is_b, int64_t is_h,
@@ -467,7 +541,7 @@ int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
     const int64_t pmax = (L + page - 1) / page, pairs = B * H;
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (t > pairs) t = pairs;
-    if (pairs * pmax * 2 * D < 65536 * t) t = 1;
+    if (pairs * pmax * 2 * D < 65536 * t) t = 1;  /* 128 KB of fp16 bounds a thread: split at 8k, batch 1 */
 #ifdef _OPENMP
     if (t > 1) {
         int rc = 0;
@@ -484,7 +558,7 @@ int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
 #define P_(T, x) ((T)(intptr_t)(x))
 int kvpass_quest_select_packed(const int64_t *a) {
     return kvpass_quest_select(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[3]), a[4], a[5],
-                               P_(float *, a[6]), a[7], a[8], a[9], P_(const int64_t *, a[10]), a[11],
+                               P_(half *, a[6]), a[7], a[8], a[9], P_(const int64_t *, a[10]), a[11],
                                P_(int64_t *, a[12]), a[13], a[14], a[15], P_(int64_t *, a[16]), a[17], a[18],
                                a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29]);
 }
@@ -510,13 +584,13 @@ def _check_select_args(name, fn, q, meta, scored, n, gqa) -> None:
     # at every site of every decode step: is_cpu and one read of each shape (a .device costs a microsecond)
     qs, ms = q.shape, meta.shape
     ok = (fn is not None and type(q) is torch.Tensor and type(meta) is torch.Tensor and q.is_cpu and meta.is_cpu
-          and q.dtype == torch.float32 and meta.dtype == torch.float32 and meta.dim() == 4
+          and q.dtype == torch.float32 and meta.dtype == BOUNDS_DTYPE and meta.dim() == 4
           and (q.dim() == 3 or (q.dim() == 4 and qs[2] == 1)) and ms[0] == qs[0] and ms[3] == 2 * qs[-1]
           and ms[1] > 0 and qs[1] % ms[1] == 0 and ms[2] > scored >= 0 and n >= 0
           and q.stride(-1) == 1 and meta.stride(3) == 1 and gqa in ("sum", "max"))
     if not ok:
         raise ValueError(
-            f"kvpass: {name} needs fp32 CPU q (B, H_q, D) and meta (B, H_kv, P_cap > scored, 2D) "
+            f"kvpass: {name} needs fp32 CPU q (B, H_q, D) and fp16 meta (B, H_kv, P_cap > scored, 2D) "
             "with contiguous last dims, gqa 'sum' or 'max' and the C kernel built; got q "
             f"{tuple(q.shape)} {q.dtype}, "
             f"meta {tuple(meta.shape)} {meta.dtype}, scored={scored}, n={n}, gqa={gqa!r}"
@@ -529,7 +603,8 @@ def quest_top_pages_cpu(
     """The pages a Quest decode step attends, in C: the top ``n`` of pages ``[0, scored)`` by the query
     group's bound (``gqa`` "sum" or "max" of the G queries' bounds), ties to the lower page, in
     ascending page order, then page ``scored`` (the newest, always taken). q ``(B, H_q, D)`` fp32;
-    meta ``(B, H_kv, P_cap, 2D)`` fp32 rows ``[max | min]``, last dim contiguous, ``P_cap > scored``.
+    meta ``(B, H_kv, P_cap, 2D)`` fp16 rows ``[max | min]`` (:func:`quest_bounds`), last dim contiguous,
+    ``P_cap > scored``.
     Returns ``(B, H_kv, min(n, scored) + 1)`` int64. Equals :func:`quest_top_pages_ref` up to the
     rounding of the bounds (a near-tie may rank the other way). Every row starts at position 0; see
     :func:`quest_select_cpu` for rows that start later (a left-padded batch)."""
@@ -559,7 +634,7 @@ def quest_select_cpu(
     the prompt alone has. The newest page is always taken; of the others the row takes all where its
     ``length - f_b`` tokens fit in ``budget`` (alone it attends them all), else the top ``n`` by the
     query group's bound (ties to the lower page). ``q (B, H_q, D)``, or ``(B, H_q, 1, D)`` as a decode
-    step's attention receives it; ``meta (B, H_kv, P_cap, 2D)`` holds each row's pages from its page 0;
+    step's attention receives it; ``meta (B, H_kv, P_cap, 2D)`` fp16 holds each row's pages from its page 0;
     ``P_cap >= ceil(length / page_size)``. ``width``: the most top pages a row takes.
 
     Returns ``pages (B, H_kv, width + 1)``, each row's top pages ascending, then its newest, then -1,
@@ -589,7 +664,8 @@ class QuestStep:
     :meth:`holds`; a step sets only the query, the key, the length and the outputs).
 
     Args:
-        meta: ``(B, H_kv, P_cap, 2D)`` fp32 CPU ``[max | min]`` page bounds, last dim contiguous.
+        meta: ``(B, H_kv, P_cap, 2D)`` fp16 CPU ``[max | min]`` page bounds (:func:`quest_bounds`), last
+            dim contiguous.
         first: ``(B,)`` or ``(1,)`` int64 CPU, each row's first real position (None: 0).
         page_size, budget, gqa: the policy's (Quest, Tang et al. 2024).
 
@@ -598,7 +674,7 @@ class QuestStep:
     def __init__(self, meta: torch.Tensor, first: torch.Tensor | None, page_size: int, budget: int,
                  gqa: str = "sum"):
         self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
-        ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == torch.float32
+        ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
         b = meta.shape[0] if meta.dim() == 4 else 0
@@ -606,7 +682,7 @@ class QuestStep:
                                        and first.dim() == 1 and first.shape[0] in (1, b)))
         if not ok:
             raise ValueError(
-                "kvpass: a Quest CPU step needs fp32 CPU meta (B, H_kv, P_cap, 2D) with a contiguous last dim, "
+                "kvpass: a Quest CPU step needs fp16 CPU meta (B, H_kv, P_cap, 2D) with a contiguous last dim, "
                 "first None or int64 CPU (B,) or (1,), page_size > 0, gqa 'sum' or 'max' and the C kernel built; "
                 f"got meta {tuple(meta.shape)} {meta.dtype}, first "
                 f"{None if first is None else (tuple(first.shape), first.dtype)}, page_size={page_size}, gqa={gqa!r}")
@@ -673,20 +749,21 @@ def quest_fold_key_(meta: torch.Tensor, k_new: torch.Tensor, first: torch.Tensor
                     page_size: int) -> None:
     """Merge a decode step's key ``k_new (B, H_kv, D)`` (cache position ``length - 1``) into its row's
     newest page of ``meta (B, H_kv, P_cap, 2D)`` = [max | min], in place: page ``(length - 1 - f_b) //
-    page_size`` of a row starting at ``f_b`` (``first (B,)`` or ``(1,)``, None: 0). Pages not yet opened
-    hold -inf | +inf, so every step runs the same ops wherever the page boundary falls."""
+    page_size`` of a row starting at ``f_b`` (``first (B,)`` or ``(1,)``, None: 0), the key rounded up
+    for the max and down for the min where ``meta`` is narrower (:func:`quest_bounds`). Pages not yet
+    opened hold -inf | +inf, so every step runs the same ops wherever the page boundary falls."""
     d = k_new.shape[-1]
-    k = k_new.to(meta.dtype)
+    k_hi, k_lo = quest_bounds(k_new, meta.dtype, up=True), quest_bounds(k_new, meta.dtype, up=False)
     if first is None:
         page = meta[:, :, (length - 1) // page_size]
-        torch.maximum(page[..., :d], k, out=page[..., :d])
-        torch.minimum(page[..., d:], k, out=page[..., d:])
+        torch.maximum(page[..., :d], k_hi, out=page[..., :d])
+        torch.minimum(page[..., d:], k_lo, out=page[..., d:])
         return
-    batch = k.shape[0]
+    batch = k_new.shape[0]
     rows = torch.arange(batch, device=meta.device)
     p = (length - 1 - first.to(meta.device).expand(batch)) // page_size
     page = meta[rows, :, p]  # (B, H_kv, 2D)
-    meta[rows, :, p] = torch.cat([torch.maximum(page[..., :d], k), torch.minimum(page[..., d:], k)], dim=-1)
+    meta[rows, :, p] = torch.cat([torch.maximum(page[..., :d], k_hi), torch.minimum(page[..., d:], k_lo)], dim=-1)
 
 
 def _pages_to_idx(pages: torch.Tensor, first: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -754,7 +831,7 @@ def quest_top_pages_ref(
     H = meta.shape[1]
     qg = q.reshape(B, H, H_q // H, D).double()
     qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
-    per_q = qq @ meta[:, :, :scored].double().transpose(-1, -2)  # (B, H, G, scored)
+    per_q = _nan_up(qq @ meta[:, :, :scored].double().transpose(-1, -2))  # (B, H, G, scored)
     bound = per_q.sum(2) if gqa == "sum" else per_q.amax(2)
     k = min(n, scored)
     top = torch.sort(bound, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
@@ -780,7 +857,7 @@ def _group_bounds(q: torch.Tensor, meta: torch.Tensor, pages: int, gqa: str) -> 
     H = meta.shape[1]
     qg = q.reshape(B, H, H_q // H, D).float()
     qq = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # (B, H, G, 2D)
-    m = meta[:, :, :pages]
+    m = meta[:, :, :pages].float()
     if gqa == "sum":
-        return torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0]
-    return torch.matmul(qq, m.transpose(-1, -2)).amax(2)
+        return _nan_up(torch.matmul(qq.sum(2, keepdim=True), m.transpose(-1, -2))[:, :, 0])
+    return _nan_up(torch.matmul(qq, m.transpose(-1, -2))).amax(2)

@@ -65,10 +65,11 @@ def _unopened(meta: torch.Tensor) -> None:
 
 
 class QuestState(SiteState):
-    """Quest: per page of ``page_size`` tokens the channel-wise max and min key, kept as one fp32
-    buffer ``meta (B, H_kv, P_cap, 2D)`` = [max | min] (grown by doubling), so that a page's bound
-    ``sum_d max(q_d max_d, q_d min_d) = relu(q)·max + min(q, 0)·min`` is one product with
-    ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata).
+    """Quest: per page of ``page_size`` tokens the channel-wise max and min key, kept as one fp16
+    buffer ``meta (B, H_kv, P_cap, 2D)`` = [max | min] (grown by doubling; each max rounded up and
+    each min down, :func:`kvpass.kernels.quest.quest_bounds`: still bounds, half the bytes a step reads),
+    so that a page's bound ``sum_d max(q_d max_d, q_d min_d) = relu(q)·max + min(q, 0)·min`` is one
+    product with ``[relu(q) | min(q, 0)]`` (kmin <= kmax holds for this metadata).
 
     A left-padded batch is served in place (``rows_native``): row ``b``'s pages start at its first real
     position ``f_b`` (``pad.first``), so ``meta[b, :, p]`` covers cache positions ``[f_b + p * page_size,
@@ -91,7 +92,9 @@ class QuestState(SiteState):
             return
         b, h, _, d = call.k.shape
         cap = max(pages, 2 * (self.meta.shape[2] if self.meta is not None else 0), 64)
-        meta = call.k.new_empty((b, h, cap, 2 * d), dtype=torch.float32)
+        from kvpass.kernels.quest import BOUNDS_DTYPE
+
+        meta = call.k.new_empty((b, h, cap, 2 * d), dtype=BOUNDS_DTYPE)
         _unopened(meta)
         if self.meta is not None:
             meta[:, :, : self.meta.shape[2]] = self.meta
@@ -105,7 +108,7 @@ class QuestState(SiteState):
             self._ensure_capacity(call, pages)
         if call.new_tokens == 1 and call.start > 0:
             return  # a steady step: select() merges the key into its page, in its C call where it runs one
-        from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
+        from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
 
         d = call.k.shape[3]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
@@ -113,15 +116,15 @@ class QuestState(SiteState):
             self._observe_rows(call)
         elif call.start == 0:
             lo, hi = quest_page_minmax_ref(call.k_logical, ps)
-            kmin[:, :, :pages] = lo
-            kmax[:, :, :pages] = hi
+            kmin[:, :, :pages] = quest_bounds(lo, kmin.dtype, up=False)
+            kmax[:, :, :pages] = quest_bounds(hi, kmax.dtype, up=True)
             _unopened(self.meta[:, :, pages:])
         else:
             quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
 
     def _observe_rows(self, call: AttentionCall) -> None:
         """:meth:`observe` for a left-padded batch: each row's tokens go to its own pages."""
-        from kvpass.kernels.quest import quest_page_minmax_ref, quest_update_minmax_
+        from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
         from kvpass.runtime.rows import first_positions
 
         ps, d, batch = self.policy.page_size, call.k.shape[3], call.k.shape[0]
@@ -136,8 +139,8 @@ class QuestState(SiteState):
                 continue
             if s == f:
                 lo, hi = quest_page_minmax_ref(call.k[b : b + 1, :, f : call.length], ps)
-                kmin[b : b + 1, :, : lo.shape[2]] = lo
-                kmax[b : b + 1, :, : hi.shape[2]] = hi
+                kmin[b : b + 1, :, : lo.shape[2]] = quest_bounds(lo, kmin.dtype, up=False)
+                kmax[b : b + 1, :, : hi.shape[2]] = quest_bounds(hi, kmax.dtype, up=True)
             else:
                 quest_update_minmax_(kmin[b : b + 1], kmax[b : b + 1], call.k[b : b + 1, :, s : call.length],
                                      s - f, ps)
