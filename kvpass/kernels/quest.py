@@ -13,8 +13,8 @@ Scoring uses ``max(q*a, q*b) = relu(q) * max(a, b) + min(q, 0) * min(a, b)``, wh
 
 The runtime keeps the bounds in fp16 (:data:`BOUNDS_DTYPE`), each maximum rounded up and each minimum
 down (:func:`quest_bounds`), so they still bound every key of their page and the score still bounds
-every ``q·k`` of it, with half the bytes a decode step reads to score the pages (Quest keeps its
-metadata in the fp16 model's own dtype; Tang et al. 2024, section 4). A key beyond fp16's range gives
+every ``q·k`` of it, with half the bytes a decode step reads to score the pages (Quest, Tang et al.
+2024, serves fp16 models, whose keys fp16 bounds hold exactly). A key beyond fp16's range gives
 an infinite bound; where ``0 * inf`` makes a score NaN, every scorer here counts it ``+inf`` (the
 page is taken: its bound is unknown, not small).
 
@@ -71,7 +71,6 @@ def quest_bounds(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     off = y.to(w) < x.to(w) if up else y.to(w) > x.to(w)
     toward = torch.full((), float("inf") if up else float("-inf"), dtype=dtype, device=y.device)
     return torch.where(off, torch.nextafter(y, toward), y)
-
 
 
 def _pages_minmax(x: torch.Tensor, lead: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,12 +520,12 @@ static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
    page, as the row alone attends all of it), else min(n, P). Written to `pages` (W + 1 slots): the top
    k in ascending page order, then the newest, then -1. `idx` (may be NULL, last stride 1): the token
    positions of those pages in the cache, f + page * page_size + t, -1 past L or for a -1 page. meta rows
-   are [max | min] (2D fp16, rounded outward) in the row's own pages; gqa_max: the group's bound is the max of its
-   queries' bounds, else their sum. The pairs split over up to `threads` threads of torch's OpenMP pool
-   (kvpass.kernels.native) when each gets at least 64k bounds (128 KB) to read; one thread without
-   OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) fp32 at position L - 1, merged into
-   its row's newest page first (max rounded up, min down), so that a steady decode step updates the metadata here rather
-   than in ops of its own. Returns 0, or -1 when scratch cannot be had. */
+   are [max | min] (2D fp16, rounded outward) in the row's own pages; gqa_max: the group's bound is the
+   max of its queries' bounds, else their sum. The pairs split over up to `threads` threads of torch's
+   OpenMP pool (kvpass.kernels.native) when each gets at least 64k bounds (128 KB) to read; one thread
+   without OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) fp32 at position L - 1,
+   merged into its row's newest page first (max rounded up, min down), so that a steady decode step
+   updates the metadata here rather than in ops of its own. Returns 0, or -1 when scratch cannot be had. */
 int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
                         const float *knew, int64_t ks_b, int64_t ks_h,
                         half *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
