@@ -64,13 +64,18 @@ def quest_bounds(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     so that the stored value still bounds every key the exact one bounds. Any shape; a ``dtype`` that
     holds ``x`` exactly returns it converted. Past fp16's range a maximum becomes ``+inf`` (a minimum
     ``-inf``), and the other side's ``-65504`` or ``65504``."""
+    return _outward(x, dtype)[int(up)]
+
+
+def _outward(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(down, up)``: :func:`quest_bounds` both ways from one conversion (a steady step's key needs both)."""
     y = x.to(dtype)
     if dtype == x.dtype or torch.finfo(dtype).bits > torch.finfo(x.dtype).bits:
-        return y
+        return y, y
     w = torch.promote_types(x.dtype, torch.float32)  # holds both exactly
-    off = y.to(w) < x.to(w) if up else y.to(w) > x.to(w)
-    toward = torch.full((), float("inf") if up else float("-inf"), dtype=dtype, device=y.device)
-    return torch.where(off, torch.nextafter(y, toward), y)
+    yw, xw = y.to(w), x.to(w)
+    inf = torch.full((), float("inf"), dtype=dtype, device=y.device)
+    return (torch.where(yw > xw, torch.nextafter(y, -inf), y), torch.where(yw < xw, torch.nextafter(y, inf), y))
 
 
 def _pages_minmax(x: torch.Tensor, lead: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -752,7 +757,7 @@ def quest_fold_key_(meta: torch.Tensor, k_new: torch.Tensor, first: torch.Tensor
     for the max and down for the min where ``meta`` is narrower (:func:`quest_bounds`). Pages not yet
     opened hold -inf | +inf, so every step runs the same ops wherever the page boundary falls."""
     d = k_new.shape[-1]
-    k_hi, k_lo = quest_bounds(k_new, meta.dtype, up=True), quest_bounds(k_new, meta.dtype, up=False)
+    k_lo, k_hi = _outward(k_new, meta.dtype)
     if first is None:
         page = meta[:, :, (length - 1) // page_size]
         torch.maximum(page[..., :d], k_hi, out=page[..., :d])
