@@ -1128,8 +1128,10 @@ static int64_t keep_at_least(const uint32_t *key, int64_t n, uint32_t thr, uint3
     for (; t + 16 <= n; t += 16) {
         const __m512i v = _mm512_loadu_si512((const void *)(key + t));
         const __mmask16 mk = _mm512_cmpge_epu32_mask(v, th);
-        _mm512_mask_compressstoreu_epi32((void *)(ck + m), mk, v);
-        _mm512_mask_compressstoreu_epi32((void *)(cp + m), mk, pos);
+        /* compressed in a register, then stored whole: AMD's Zen 4 runs the compress-to-memory form as
+           microcode (about 3x slower for the whole selection, measured) */
+        _mm512_storeu_si512((void *)(ck + m), _mm512_maskz_compress_epi32(mk, v));
+        _mm512_storeu_si512((void *)(cp + m), _mm512_maskz_compress_epi32(mk, pos));
         m += __builtin_popcount((unsigned)mk);
         pos = _mm512_add_epi32(pos, step);
     }
