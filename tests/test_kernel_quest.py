@@ -480,6 +480,42 @@ def test_quest_step_reads_the_key_in_the_cache_and_serves_step_after_step(b, h_k
         assert torch.equal(got[1], ref[1])
 
 
+@given(b=st.integers(1, 3), h_kv=st.integers(1, 2), g=st.integers(1, 4), page=st.sampled_from([1, 4, 16]),
+       length=st.integers(1, 60), padded=st.booleans(), strided=st.booleans(), gqa=st.sampled_from(["sum", "max"]),
+       seed=SEEDS)
+def test_quest_step_attends_what_it_selects_in_the_same_call(b, h_kv, g, page, length, padded, strided, gqa, seed):
+    """``select_attend`` (the runtime's steady step: selection and attention in one C call) gives the
+    metadata, pages and positions of ``select`` on a copy, and the attention of the float64 reference over
+    those positions; operands the C attention does not serve are left to the caller, untouched."""
+    from kvpass.kernels.cpu_decode import available, cpu_decode_attention_ref
+    from kvpass.kernels.quest import QuestStep
+
+    if not available():
+        pytest.skip("the C decode attention is not built (KVPASS_NATIVE=0 or no compiler)")
+    gen = torch.Generator().manual_seed(seed)
+    d, budget = 8, 12
+    first = torch.randint(0, length, (b,), generator=gen) if padded else None
+    _, meta = _top_inputs(b, h_kv, 3, d, -(-length // page) + 1, False, seed)
+    cap = length + 5
+    k = torch.randn(b, h_kv, cap, 2 * d if strided else d, generator=gen)[..., :d]  # a row stride past D
+    v = torch.randn(b, h_kv, cap, d, generator=gen)
+    q = torch.randn(b, h_kv * g, 1, d, generator=gen)
+    n = max(budget // page - 1, 0)
+    width = max(n, -(-budget // page) - 1)
+    want_meta = meta.clone()
+    want = QuestStep(want_meta, first, page, budget, gqa).select(q, length, n, width, k_new=k)
+    pages, idx, out = QuestStep(meta, first, page, budget, gqa).select_attend(q, length, n, width, k, v, 0.3, k_new=k)
+    assert torch.equal(meta, want_meta)
+    assert torch.equal(pages, want[0]) and torch.equal(idx, want[1])
+    ref = cpu_decode_attention_ref(q[:, :, 0], k[:, :, :length], v[:, :, :length], idx, 0.3)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out[:, :, 0], ref, rtol=1e-5, atol=1e-5)
+    before = meta.clone()
+    assert QuestStep(meta, first, page, budget, gqa).select_attend(q, length, n, width, k.double(), v.double(), 0.3,
+                                                                   k_new=k) is None
+    assert torch.equal(meta, before)  # refused before the key's merge
+
+
 def test_quest_step_refusals():
     from kvpass.kernels.quest import QuestStep
 

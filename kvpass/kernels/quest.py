@@ -28,10 +28,11 @@ top-page choice in C (:mod:`kvpass.kernels.native`; one call instead of a dozen 
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import torch
 
-from . import native
+from . import cpu_decode, native
 from ._triton import require_triton, tl, triton
 from .native import VECTOR
 
@@ -566,6 +567,26 @@ int kvpass_quest_select_packed(const int64_t *a) {
                                P_(int64_t *, a[12]), a[13], a[14], a[15], P_(int64_t *, a[16]), a[17], a[18],
                                a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29]);
 }
+
+/* kvpass_quest_select_packed, then the decode attention over the positions it listed, in one call from
+   Python (each call costs tens of microseconds at 30 sites a step, run cold between the model's matmuls).
+   a[30]: the address of kvpass_decode_attention (kvpass.kernels.cpu_decode's library); a[31..38]: k, v
+   (B, H_kv, S >= length, D) pointers and strides; a[39..41]: out (B, H_q, 1, D) pointer and strides; a[42]:
+   the scale's double bits. Returns the selection's code, else the attention's. */
+typedef int (*attend_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
+                         int64_t, int64_t, int64_t, const int64_t *, int64_t, int64_t, int64_t, const float *,
+                         int64_t, int64_t, int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, float, int64_t);
+int kvpass_quest_step_packed(const int64_t *a) {
+    int rc = kvpass_quest_select_packed(a);
+    if (rc) return rc;
+    double scale;
+    memcpy(&scale, a + 42, sizeof scale);
+    return P_(attend_fn, a[30])(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[31]), a[32], a[33], a[34],
+                                P_(const float *, a[35]), a[36], a[37], a[38], P_(const int64_t *, a[16]), a[17],
+                                a[18], 1, NULL, 0, 0, 0, P_(float *, a[39]), a[40], a[41], a[19], a[20], a[21],
+                                a[23], (a[27] + 1) * a[24], a[22], (float)scale, a[29]);
+}
 """
 
 
@@ -659,7 +680,7 @@ def quest_select_cpu(
     return QuestStep(meta, first, page_size, budget, gqa).select(q, length, n, width, k_new)
 
 
-_STEP_ARGS = 30  # kvpass_quest_select_packed's int64 array
+_STEP_ARGS = 43  # kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
 
 
 class QuestStep:
@@ -678,6 +699,10 @@ class QuestStep:
     def __init__(self, meta: torch.Tensor, first: torch.Tensor | None, page_size: int, budget: int,
                  gqa: str = "sum"):
         self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
+        self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed", [ctypes.c_void_p])
+        attend = cpu_decode._load()
+        self._attend = None if attend is None else ctypes.cast(attend, ctypes.c_void_p).value
+        self._scale: tuple[float, int] | None = None  # the last scale and its double's bits
         ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
@@ -700,6 +725,8 @@ class QuestStep:
         a[22] = self.d
         a[24:26] = (page_size, budget)
         a[28] = int(gqa == "max")
+        if self._attend is not None:
+            a[30] = self._attend
 
     def holds(self, meta: torch.Tensor, first: torch.Tensor | None) -> bool:
         """Whether this step was made for these very tensors (a replaced buffer needs a new one)."""
@@ -714,6 +741,28 @@ class QuestStep:
             k_new: the step's key, merged into its page first: ``(B, H_kv, D)``, or the cache ``(B, H_kv,
                 S >= length, D)`` whose position ``length - 1`` it is (read in place: no view of it).
         """
+        return self._run(self._fn, q, length, n, width, k_new)
+
+    def select_attend(self, q: torch.Tensor, length: int, n: int, width: int, k: torch.Tensor, v: torch.Tensor,
+                      scale: float, k_new: torch.Tensor | None = None):
+        """``(pages, idx, out)``: :meth:`select`, then the decode attention of ``q (B, H_q, 1, D)`` over
+        ``idx`` in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read
+        in place), ``out (B, H_q, 1, D)``, in one C call; None, having done nothing, where that attention
+        does not serve these operands (the caller then selects and attends in two calls)."""
+        if not (self._attend is not None and self._step_fn is not None and q.dim() == 4
+                and cpu_decode._serves(q, k, v) and 0 <= length <= k.shape[2]):
+            return None
+        sc = self._scale
+        if sc is None or sc[0] != scale:
+            sc = self._scale = (scale, struct.unpack("<q", struct.pack("<d", scale))[0])
+        out = q.new_empty(q.shape)
+        ks, vs, os_ = k.stride(), v.stride(), out.stride()
+        self._a[31:43] = (k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(),
+                          os_[0], os_[1], sc[1])
+        pages, idx = self._run(self._step_fn, q, length, n, width, k_new)
+        return pages, idx, out
+
+    def _run(self, fn, q, length, n, width, k_new) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d, page = self.b, self.h, self.d, self.page
         qs = q.shape
         if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
@@ -744,7 +793,7 @@ class QuestStep:
         a[23] = length
         a[26:28] = (n, width)
         a[29] = torch.get_num_threads()
-        if self._fn(a) != 0:
+        if fn(a) != 0:
             raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
         return pages, idx
 

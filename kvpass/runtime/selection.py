@@ -83,6 +83,7 @@ class QuestState(SiteState):
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
         self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (select)
+        self._out: torch.Tensor | None = None  # this step's attention, where select() ran it with the selection
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -201,7 +202,14 @@ class QuestState(SiteState):
                 step = self._step
                 if step is None or not step.holds(self.meta, first):
                     step = self._step = QuestStep(self.meta, first, ps, budget, self.policy.gqa)
-                self.pages, idx = step.select(call.q, length, n, n_pages, k_new=call.k if steady else None)
+                k_new = call.k if steady else None
+                # the attention in the same C call where it serves the cache (it lists no padding): kept
+                # for attend_selected, which this step calls next
+                done = step.select_attend(call.q, length, n, n_pages, call.k, call.v, call.scale, k_new)
+                if done is not None:
+                    self.pages, idx, self._out = done
+                    return idx
+                self.pages, idx = step.select(call.q, length, n, n_pages, k_new=k_new)
             else:
                 self.pages, idx = quest_select_torch(call.q[:, :, 0], self.meta, first, length, ps, budget, n,
                                                      n_pages, self.policy.gqa)
@@ -220,6 +228,9 @@ class QuestState(SiteState):
         return torch.where(idx < length, idx, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
+        out, self._out = self._out, None
+        if out is not None:
+            return out  # select() attended in its C call
         # select()'s token list, read in place; it lists no padding, so a padded batch is served too
         out = self.attend_listed_in_c(call, idx, lists_padding=False)
         if out is not None:
