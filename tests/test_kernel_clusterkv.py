@@ -754,6 +754,34 @@ def test_step_selection_c_and_torch_match_the_oracle(p):
     assert torch.equal(cluster_select_cpu(*args), want)
 
 
+@settings(max_examples=40, deadline=None)
+@given(p=step_problems(), strided=st.booleans())
+def test_step_attends_its_list_in_the_same_call(p, strided):
+    """ClusterStep.select_attend (the runtime's steady step: list and attention in one C call) gives
+    select's list and the float64 reference attention over it; a cache the C attention does not read is
+    left to the caller."""
+    from kvpass.kernels.clusterkv import ClusterStep
+    from kvpass.kernels.cpu_decode import available, cpu_decode_attention_ref
+
+    if not available():
+        pytest.skip("the C decode attention is not built (KVPASS_NATIVE=0 or no compiler)")
+    q, centroids, sizes, offsets, order, first, length = make_step_inputs(p)
+    width = p["n_sinks"] + p["cluster_budget"] + p["n_recent"] + (p["cover"] > 0) * 3
+    rest = (length, p["n_sinks"], p["cluster_budget"], p["n_recent"], p["cover"], width)
+    gen = torch.Generator().manual_seed(p["seed"])
+    B, H, _, D = centroids.shape
+    k = torch.randn(B, H, length + 2, 2 * D if strided else D, generator=gen)[..., :D]
+    v = torch.randn(B, H, length + 2, D, generator=gen)
+    q4 = q[:, :, None]
+    step = ClusterStep(centroids, sizes, offsets, order, first, p["gqa"])
+    want = step.select(q4, *rest)
+    idx, out = step.select_attend(q4, *rest, k, v, 0.25)
+    assert torch.equal(idx, want)
+    ref = cpu_decode_attention_ref(q, k[:, :, :length], v[:, :, :length], idx, 0.25)
+    torch.testing.assert_close(out[:, :, 0], ref, rtol=1e-5, atol=1e-5)
+    assert step.select_attend(q4, *rest, k.double(), v.double(), 0.25) is None
+
+
 def test_step_selection_cpu_refuses_what_it_cannot_read():
     q, c = torch.zeros(1, 4, 8), torch.zeros(1, 2, 3, 8)
     sizes, offsets, order = torch.ones(1, 2, 3, dtype=torch.int64), torch.zeros(1, 2, 4, dtype=torch.int64), \

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import cpu_decode, native
 from ._triton import interpreting, require_triton, tl, triton
 from .native import VECTOR
 
@@ -673,7 +673,7 @@ _SELECT_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-""" + VECTOR + r"""
+""" + VECTOR + cpu_decode.LISTED_C + r"""
 typedef struct { float s; int64_t c; } rank_t;
 
 /* x ranks before y: descending score, ties to the lower cluster index (torch.sort(descending=True,
@@ -815,6 +815,15 @@ int kvpass_cluster_select_packed(const int64_t *a) {
                                  P_(const int64_t *, a[19]), a[20], P_(int64_t *, a[21]), a[22], a[23], a[24], a[25],
                                  a[26], a[27], a[28], a[29], a[30], a[31], a[32], a[33], a[34], a[35], a[36]);
 }
+
+/* kvpass_cluster_select_packed, then the decode attention over the list it wrote (a[37 : 51]:
+   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by pack_listed) */
+int kvpass_cluster_step_packed(const int64_t *a) {
+    int rc = kvpass_cluster_select_packed(a);
+    if (rc) return rc;
+    return attend_listed(a + 37, P_(const float *, a[0]), a[1], a[2], P_(const int64_t *, a[21]), a[22], a[23],
+                         a[24], a[25], a[26], a[30], a[35], a[27]);
+}
 """
 
 
@@ -934,7 +943,7 @@ def cluster_select_cpu(
         q, length, n_sinks, cluster_budget, n_recent, cover, width)
 
 
-_STEP_ARGS = 37  # kvpass_cluster_select_packed's int64 array
+_STEP_ARGS = 37 + cpu_decode.LISTED_SLOTS  # kvpass_cluster_step_packed's int64 array (the selection reads 37)
 
 
 class ClusterStep:
@@ -953,6 +962,8 @@ class ClusterStep:
     def __init__(self, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
                  first: torch.Tensor | None, gqa: str = "sum"):
         self._fn = _cluster_select_lib()
+        self._step_fn = native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_step_packed",
+                                        [ctypes.c_void_p])
         cs = centroids.shape
         ok = (self._fn is not None and type(centroids) is torch.Tensor and centroids.is_cpu and len(cs) == 4
               and centroids.dtype == torch.float32 and cs[1] > 0 and centroids.stride(3) == 1
@@ -993,6 +1004,22 @@ class ClusterStep:
                width: int) -> torch.Tensor:
         """``(B, H_kv, width)`` int64, this step's list (:func:`cluster_select_torch`), in one C call;
         ``q (B, H_q, D)`` or ``(B, H_q, 1, D)`` fp32, ``H_q = G * H_kv``."""
+        return self._run(self._fn, q, length, n_sinks, cluster_budget, n_recent, cover, width)
+
+    def select_attend(self, q: torch.Tensor, length: int, n_sinks: int, cluster_budget: int, n_recent: int,
+                      cover: int, width: int, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """``(idx, out)``: :meth:`select`, then the decode attention of ``q (B, H_q, 1, D)`` over ``idx``
+        in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read in place),
+        ``out (B, H_q, 1, D)``, in one C call; None where that attention does not serve these operands."""
+        out = None if self._step_fn is None else cpu_decode.pack_listed(self._a, 37, q, k, v, length, scale)
+        if out is None:
+            return None
+        idx = self._run(self._step_fn, q, length, n_sinks, cluster_budget, n_recent, cover, width)
+        if idx.numel() == 0:
+            out.zero_()  # nothing listed: the attention's empty rows, which it did not run
+        return idx, out
+
+    def _run(self, fn, q, length, n_sinks, cluster_budget, n_recent, cover, width) -> torch.Tensor:
         b, h, d = self.b, self.h, self.d
         qs = q.shape
         if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
@@ -1009,7 +1036,7 @@ class ClusterStep:
         a[21:24] = (out.data_ptr(), out.stride(0), out.stride(1))
         a[26] = qs[1] // h
         a[30:36] = (length, n_sinks, cluster_budget, n_recent, cover, width)
-        if self._fn(a) != 0:
+        if fn(a) != 0:
             raise MemoryError("kvpass: cluster_select_cpu could not allocate its scratch")
         return out
 

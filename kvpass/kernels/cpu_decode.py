@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 
 import torch
 
@@ -450,6 +451,50 @@ int kvpass_decode_attention(const float *q, int64_t qs_b, int64_t qs_h,
 """
 
 _MAX_GROUP = 16
+
+# For a selection kernel that attends the list it has just written, in the same call from Python (a call
+# costs tens of microseconds at 30 sites a step, run cold between the model's matmuls): its library
+# includes LISTED_C and calls attend_listed with the LISTED_SLOTS int64 slots that pack_listed filled,
+# which hold the address of this library's kvpass_decode_attention and the cache, output and scale.
+LISTED_SLOTS = 14
+LISTED_C = r"""
+typedef int (*kvpass_attend_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t,
+                                const float *, int64_t, int64_t, int64_t, const int64_t *, int64_t, int64_t,
+                                int64_t, const float *, int64_t, int64_t, int64_t, float *, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+/* kvpass_decode_attention of q (B, Hk * G, D) over the positions idx (B, Hk, N) (n-stride 1) of the first
+   S rows of the cache packed in t: [attention's address, k, its 3 strides, v, its 3 strides, out, its 2
+   strides, the scale's double bits, threads] */
+static int attend_listed(const int64_t *t, const float *q, int64_t qs_b, int64_t qs_h, const int64_t *idx,
+                         int64_t is_b, int64_t is_h, int64_t B, int64_t Hk, int64_t G, int64_t S, int64_t N,
+                         int64_t D) {
+    double scale;
+    memcpy(&scale, t + 12, sizeof scale);
+    return ((kvpass_attend_fn)(intptr_t)t[0])(
+        q, qs_b, qs_h, (const float *)(intptr_t)t[1], t[2], t[3], t[4], (const float *)(intptr_t)t[5], t[6], t[7],
+        t[8], idx, is_b, is_h, 1, NULL, 0, 0, 0, (float *)(intptr_t)t[9], t[10], t[11], B, Hk, G, S, N, D,
+        (float)scale, t[13]);
+}
+"""
+
+
+def pack_listed(slots, at: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                scale: float) -> torch.Tensor | None:
+    """Fill ``slots[at : at + LISTED_SLOTS]`` (a ctypes int64 array) for a selection kernel's
+    ``attend_listed`` and return the ``(B, H_q, 1, D)`` output it will write; None, writing nothing, where
+    :func:`decode_step` would not serve ``q (B, H_q, 1, D)``, ``k, v (B, H_kv, S >= length, D)``."""
+    if not (q.dim() == 4 and q.shape[2] == 1 and _serves(q, k, v) and 0 <= length <= k.shape[2]):
+        return None
+    out = q.new_empty(q.shape)
+    ks, vs, os_ = k.stride(), v.stride(), out.stride()
+    slots[at : at + LISTED_SLOTS] = (ctypes.cast(_load(), ctypes.c_void_p).value, k.data_ptr(), ks[0], ks[1], ks[2],
+                                     v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(), os_[0], os_[1],
+                                     _double_bits(scale), torch.get_num_threads())
+    return out
+
+
+def _double_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

@@ -28,7 +28,6 @@ top-page choice in C (:mod:`kvpass.kernels.native`; one call instead of a dozen 
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import torch
 
@@ -354,7 +353,7 @@ _TOP_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR + r"""
+""" + VECTOR + cpu_decode.LISTED_C + r"""
 
 /* pages the bound loop asks for ahead of its use: the hardware prefetcher alone kept the reads of the
    bounds about 15 % slower a call (B 1 and 8 at 8k, 1 and 2 threads, one process A/B: 116 -> 100 us a
@@ -568,24 +567,13 @@ int kvpass_quest_select_packed(const int64_t *a) {
                                a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29]);
 }
 
-/* kvpass_quest_select_packed, then the decode attention over the positions it listed, in one call from
-   Python (each call costs tens of microseconds at 30 sites a step, run cold between the model's matmuls).
-   a[30]: the address of kvpass_decode_attention (kvpass.kernels.cpu_decode's library); a[31..38]: k, v
-   (B, H_kv, S >= length, D) pointers and strides; a[39..41]: out (B, H_q, 1, D) pointer and strides; a[42]:
-   the scale's double bits. Returns the selection's code, else the attention's. */
-typedef int (*attend_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
-                         int64_t, int64_t, int64_t, const int64_t *, int64_t, int64_t, int64_t, const float *,
-                         int64_t, int64_t, int64_t, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, float, int64_t);
+/* kvpass_quest_select_packed, then the decode attention over the positions it listed (a[30 : 44]:
+   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by pack_listed) */
 int kvpass_quest_step_packed(const int64_t *a) {
     int rc = kvpass_quest_select_packed(a);
     if (rc) return rc;
-    double scale;
-    memcpy(&scale, a + 42, sizeof scale);
-    return P_(attend_fn, a[30])(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[31]), a[32], a[33], a[34],
-                                P_(const float *, a[35]), a[36], a[37], a[38], P_(const int64_t *, a[16]), a[17],
-                                a[18], 1, NULL, 0, 0, 0, P_(float *, a[39]), a[40], a[41], a[19], a[20], a[21],
-                                a[23], (a[27] + 1) * a[24], a[22], (float)scale, a[29]);
+    return attend_listed(a + 30, P_(const float *, a[0]), a[1], a[2], P_(const int64_t *, a[16]), a[17], a[18],
+                         a[19], a[20], a[21], a[23], (a[27] + 1) * a[24], a[22]);
 }
 """
 
@@ -680,7 +668,7 @@ def quest_select_cpu(
     return QuestStep(meta, first, page_size, budget, gqa).select(q, length, n, width, k_new)
 
 
-_STEP_ARGS = 43  # kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
+_STEP_ARGS = 30 + cpu_decode.LISTED_SLOTS  # kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
 
 
 class QuestStep:
@@ -700,9 +688,6 @@ class QuestStep:
                  gqa: str = "sum"):
         self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
         self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed", [ctypes.c_void_p])
-        attend = cpu_decode._load()
-        self._attend = None if attend is None else ctypes.cast(attend, ctypes.c_void_p).value
-        self._scale: tuple[float, int] | None = None  # the last scale and its double's bits
         ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
@@ -725,8 +710,6 @@ class QuestStep:
         a[22] = self.d
         a[24:26] = (page_size, budget)
         a[28] = int(gqa == "max")
-        if self._attend is not None:
-            a[30] = self._attend
 
     def holds(self, meta: torch.Tensor, first: torch.Tensor | None) -> bool:
         """Whether this step was made for these very tensors (a replaced buffer needs a new one)."""
@@ -749,16 +732,9 @@ class QuestStep:
         ``idx`` in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read
         in place), ``out (B, H_q, 1, D)``, in one C call; None, having done nothing, where that attention
         does not serve these operands (the caller then selects and attends in two calls)."""
-        if not (self._attend is not None and self._step_fn is not None and q.dim() == 4
-                and cpu_decode._serves(q, k, v) and 0 <= length <= k.shape[2]):
+        out = None if self._step_fn is None else cpu_decode.pack_listed(self._a, 30, q, k, v, length, scale)
+        if out is None:
             return None
-        sc = self._scale
-        if sc is None or sc[0] != scale:
-            sc = self._scale = (scale, struct.unpack("<q", struct.pack("<d", scale))[0])
-        out = q.new_empty(q.shape)
-        ks, vs, os_ = k.stride(), v.stride(), out.stride()
-        self._a[31:43] = (k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(),
-                          os_[0], os_[1], sc[1])
         pages, idx = self._run(self._step_fn, q, length, n, width, k_new)
         return pages, idx, out
 
