@@ -386,13 +386,12 @@ class ClusterState(SiteState):
             step = self._step
             if step is None or not step.holds(*meta, rest[0]):
                 step = self._step = ClusterStep(*meta, rest[0], p.gqa)
-            if call.k.dtype == torch.float32:
-                # the attention in the same C call where it serves the cache (the list holds no padding):
-                # kept for attend_selected, which this step calls next
-                done = step.select_attend(call.q, *rest[1:7], call.k, call.v, call.scale)
-                if done is not None:
-                    idx, self._out = done
-                    return idx
+            # the attention in the same C call where it serves the cache (the list holds no padding): kept
+            # for attend_selected, which this step calls next
+            done = step.select_attend(call.q, *rest[1:7], call.k, call.v, call.scale)
+            if done is not None:
+                idx, self._out = done
+                return idx
             return step.select(call.q, *rest[1:7])
         from kvpass.lowering.dispatch import select_clusters
 
