@@ -481,9 +481,10 @@ def test_quest_step_reads_the_key_in_the_cache_and_serves_step_after_step(b, h_k
 
 
 @given(b=st.integers(1, 3), h_kv=st.integers(1, 2), g=st.integers(1, 4), page=st.sampled_from([1, 4, 16]),
-       length=st.integers(1, 60), padded=st.booleans(), strided=st.booleans(), gqa=st.sampled_from(["sum", "max"]),
-       seed=SEEDS)
-def test_quest_step_attends_what_it_selects_in_the_same_call(b, h_kv, g, page, length, padded, strided, gqa, seed):
+       length=st.integers(1, 60), padded=st.booleans(), strided=st.booleans(),
+       gqa=st.sampled_from(["sum", "max"]), seed=SEEDS)
+def test_quest_step_attends_what_it_selects_in_the_same_call(b, h_kv, g, page, length, padded, strided, gqa,
+                                                             seed):
     """``select_attend`` (the runtime's steady step: selection and attention in one C call) gives the
     metadata, pages and positions of ``select`` on a copy, and the attention of the float64 reference over
     those positions; operands the C attention does not serve are left to the caller, untouched."""
@@ -504,15 +505,15 @@ def test_quest_step_attends_what_it_selects_in_the_same_call(b, h_kv, g, page, l
     width = max(n, -(-budget // page) - 1)
     want_meta = meta.clone()
     want = QuestStep(want_meta, first, page, budget, gqa).select(q, length, n, width, k_new=k)
-    pages, idx, out = QuestStep(meta, first, page, budget, gqa).select_attend(q, length, n, width, k, v, 0.3, k_new=k)
+    step = QuestStep(meta, first, page, budget, gqa)
+    pages, idx, out = step.select_attend(q, length, n, width, k, v, 0.3, k_new=k)
     assert torch.equal(meta, want_meta)
     assert torch.equal(pages, want[0]) and torch.equal(idx, want[1])
     ref = cpu_decode_attention_ref(q[:, :, 0], k[:, :, :length], v[:, :, :length], idx, 0.3)
     assert out.shape == q.shape
     torch.testing.assert_close(out[:, :, 0], ref, rtol=1e-5, atol=1e-5)
     before = meta.clone()
-    assert QuestStep(meta, first, page, budget, gqa).select_attend(q, length, n, width, k.double(), v.double(), 0.3,
-                                                                   k_new=k) is None
+    assert step.select_attend(q, length, n, width, k.double(), v.double(), 0.3, k_new=k) is None
     assert torch.equal(meta, before)  # refused before the key's merge
 
 

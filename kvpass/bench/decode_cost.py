@@ -52,7 +52,8 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   ranges, and SDPA anywhere else; without ranges, SDPA / bmm / matmul under a ``kvpass::`` op),
   ``bookkeeping`` (``kvpass.bookkeeping`` ranges), ``runtime`` (the rest of the time inside ``kvpass::``
   ops) and ``rest`` (linear layers and everything else: the profiled step time minus the other buckets,
-  so the buckets sum to the step time).
+  so the buckets sum to the step time). Quest's and ClusterKV's CPU steps attend inside their selection's
+  C call, so their ``selection`` holds their attention.
 - **Threads**: ``--threads 1,2`` runs each thread count in turn (Inductor's C++ kernels fix their OpenMP
   thread count when compiled, so each thread count compiles its own graphs). Default: 1 and torch's
   default; with ``--quick`` torch's default only.
@@ -878,8 +879,9 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
         "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "
         "`bookkeeping` (ranges `kvpass.bookkeeping`), `runtime` (the rest of the time inside `kvpass::` ops) and "
         "`rest` (linear layers and everything else: the profiled step time minus the others). `source` says "
-        "whether the runtime's `kvpass.*` ranges were present (`ranges`) or only op names (`ops`). Profiled steps "
-        "run slower than timed ones (profiler overhead).",
+        "whether the runtime's `kvpass.*` ranges were present (`ranges`) or only op names (`ops`). Quest and "
+        "ClusterKV on CPU attend in their selection's C call (docs/design.md, \"Rows ahead in L2\"): their "
+        "`selection` holds their attention. Profiled steps run slower than timed ones (profiler overhead).",
     ]
     beyond = sorted({r["context"] for r in rows if r["beyond_positions"]})
     if beyond:

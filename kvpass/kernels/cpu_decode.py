@@ -487,8 +487,8 @@ def pack_listed(slots, at: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return None
     out = q.new_empty(q.shape)
     ks, vs, os_ = k.stride(), v.stride(), out.stride()
-    slots[at : at + LISTED_SLOTS] = (ctypes.cast(_load(), ctypes.c_void_p).value, k.data_ptr(), ks[0], ks[1], ks[2],
-                                     v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(), os_[0], os_[1],
+    slots[at : at + LISTED_SLOTS] = (ctypes.cast(_load(), ctypes.c_void_p).value, k.data_ptr(), ks[0], ks[1],
+                                     ks[2], v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(), os_[0], os_[1],
                                      _double_bits(scale), torch.get_num_threads())
     return out
 

@@ -668,13 +668,15 @@ def quest_select_cpu(
     return QuestStep(meta, first, page_size, budget, gqa).select(q, length, n, width, k_new)
 
 
-_STEP_ARGS = 30 + cpu_decode.LISTED_SLOTS  # kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
+# kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
+_STEP_ARGS = 30 + cpu_decode.LISTED_SLOTS
 
 
 class QuestStep:
     """A Quest layer's decode-step selection on CPU (:func:`quest_select_cpu`), its fixed operands checked
     once and its C arguments kept packed (a state makes one where ``meta`` or ``first`` is replaced,
-    :meth:`holds`; a step sets only the query, the key, the length and the outputs).
+    :meth:`holds`; a step sets only the query, the key, the length, the outputs and, where it attends
+    too (:meth:`select_attend`), the cache).
 
     Args:
         meta: ``(B, H_kv, P_cap, 2D)`` fp16 CPU ``[max | min]`` page bounds (:func:`quest_bounds`), last
@@ -687,7 +689,8 @@ class QuestStep:
     def __init__(self, meta: torch.Tensor, first: torch.Tensor | None, page_size: int, budget: int,
                  gqa: str = "sum"):
         self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
-        self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed", [ctypes.c_void_p])
+        self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed",
+                                        [ctypes.c_void_p])
         ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
@@ -726,8 +729,8 @@ class QuestStep:
         """
         return self._run(self._fn, q, length, n, width, k_new)
 
-    def select_attend(self, q: torch.Tensor, length: int, n: int, width: int, k: torch.Tensor, v: torch.Tensor,
-                      scale: float, k_new: torch.Tensor | None = None):
+    def select_attend(self, q: torch.Tensor, length: int, n: int, width: int, k: torch.Tensor,
+                      v: torch.Tensor, scale: float, k_new: torch.Tensor | None = None):
         """``(pages, idx, out)``: :meth:`select`, then the decode attention of ``q (B, H_q, 1, D)`` over
         ``idx`` in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read
         in place), ``out (B, H_q, 1, D)``, in one C call; None, having done nothing, where that attention

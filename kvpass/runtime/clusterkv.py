@@ -359,6 +359,7 @@ class ClusterState(SiteState):
                 and cluster_select_cpu_available())
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
+        self._out = None  # set below where the C step attends too; never an earlier step's
         if self.offloading:
             return self._offload_idx(call)
         budgets = self._budgets(call.length)

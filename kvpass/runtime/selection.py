@@ -83,7 +83,7 @@ class QuestState(SiteState):
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
         self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (select)
-        self._out: torch.Tensor | None = None  # this step's attention, where select() ran it with the selection
+        self._out: torch.Tensor | None = None  # this step's attention, where select() ran it too
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -178,6 +178,7 @@ class QuestState(SiteState):
                         call.length, self.policy.page_size)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
+        self._out = None  # set below where the C step attends too; never an earlier step's
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
         covered = length - self.pad.first_min <= budget
