@@ -163,3 +163,27 @@ def test_left_padded_batch_streaming_rows_equal_running_alone():
         torch._dynamo.reset()
         alone = generate(model, r[None], new_tokens=5, backend=kvpass(policy, strict=True))
         assert torch.equal(out[i, -5:], alone[0, -5:]), i
+
+
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("policy", [
+    Quest(budget=64, page_size=16),
+    ClusterKV(budget=64, sinks=4, tokens_per_cluster=10, dense_layers=(), decode_window=64, decode_clusters=2),
+], ids=["Quest", "ClusterKV"])
+def test_a_steady_cpu_step_attends_in_its_selections_c_call(policy, owned, monkeypatch):
+    """Quest's and ClusterKV's steady fp32 CPU steps attend inside their selection's C call (no second
+    crossing into C for the attention: docs/design.md, "Rows ahead in L2"), with the oracle's output over
+    the positions they list."""
+    from kvpass.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the C decode attention is not built (KVPASS_NATIVE=0 or no compiler)")
+    steps = []
+    real = cpu_decode.decode_step
+    monkeypatch.setattr(cpu_decode, "decode_step", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    outs = prefill_then_decode(policy, length=150, steps=3, owned=owned)
+    assert steps == []  # the listed attention ran in the selection's call, never on its own
+    for q, k, v, out, idx in outs:
+        assert idx is not None and idx.shape[-1] == 64
+        ref = attend_oracle(q, k, v, as_sets(idx), 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
