@@ -817,7 +817,7 @@ int kvpass_cluster_select_packed(const int64_t *a) {
 }
 
 /* kvpass_cluster_select_packed, then the decode attention over the list it wrote (a[37 : 51]:
-   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by pack_listed) */
+   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend) */
 int kvpass_cluster_step_packed(const int64_t *a) {
     int rc = kvpass_cluster_select_packed(a);
     if (rc) return rc;
@@ -964,6 +964,7 @@ class ClusterStep:
         self._fn = _cluster_select_lib()
         self._step_fn = native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_step_packed",
                                         [ctypes.c_void_p])
+        self._listed = cpu_decode.ListedAttend()  # the attention's operands, where select_attend runs it
         cs = centroids.shape
         ok = (self._fn is not None and type(centroids) is torch.Tensor and centroids.is_cpu and len(cs) == 4
               and centroids.dtype == torch.float32 and cs[1] > 0 and centroids.stride(3) == 1
@@ -1011,7 +1012,7 @@ class ClusterStep:
         """``(idx, out)``: :meth:`select`, then the decode attention of ``q (B, H_q, 1, D)`` over ``idx``
         in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read in place),
         ``out (B, H_q, 1, D)``, in one C call; None where that attention does not serve these operands."""
-        out = None if self._step_fn is None else cpu_decode.pack_listed(self._a, 37, q, k, v, length, scale)
+        out = None if self._step_fn is None else self._listed.pack(self._a, 37, q, k, v, length, scale)
         if out is None:
             return None
         idx = self._run(self._step_fn, q, length, n_sinks, cluster_budget, n_recent, cover, width)

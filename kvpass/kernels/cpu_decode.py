@@ -454,7 +454,7 @@ _MAX_GROUP = 16
 
 # For a selection kernel that attends the list it has just written, in the same call from Python (a call
 # costs tens of microseconds at 30 sites a step, run cold between the model's matmuls): its library
-# includes LISTED_C and calls attend_listed with the LISTED_SLOTS int64 slots that pack_listed filled,
+# includes LISTED_C and calls attend_listed with the LISTED_SLOTS int64 slots a ListedAttend filled,
 # which hold the address of this library's kvpass_decode_attention and the cache, output and scale.
 LISTED_SLOTS = 14
 LISTED_C = r"""
@@ -478,23 +478,33 @@ static int attend_listed(const int64_t *t, const float *q, int64_t qs_b, int64_t
 """
 
 
-def pack_listed(slots, at: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
-                scale: float) -> torch.Tensor | None:
-    """Fill ``slots[at : at + LISTED_SLOTS]`` (a ctypes int64 array) for a selection kernel's
-    ``attend_listed`` and return the ``(B, H_q, 1, D)`` output it will write; None, writing nothing, where
-    :func:`decode_step` would not serve ``q (B, H_q, 1, D)``, ``k, v (B, H_kv, S >= length, D)``."""
-    if not (q.dim() == 4 and q.shape[2] == 1 and _serves(q, k, v) and 0 <= length <= k.shape[2]):
-        return None
-    out = q.new_empty(q.shape)
-    ks, vs, os_ = k.stride(), v.stride(), out.stride()
-    slots[at : at + LISTED_SLOTS] = (ctypes.cast(_load(), ctypes.c_void_p).value, k.data_ptr(), ks[0], ks[1],
-                                     ks[2], v.data_ptr(), vs[0], vs[1], vs[2], out.data_ptr(), os_[0], os_[1],
-                                     _double_bits(scale), torch.get_num_threads())
-    return out
+class ListedAttend:
+    """Packs :func:`decode_step`'s operands into a selection kernel's ``LISTED_SLOTS`` slots for its
+    ``attend_listed``; one per selection step object, so that the attention's address and the scale's bits
+    are made once, not at every step."""
 
+    def __init__(self) -> None:
+        fn = _load()
+        self.address = None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+        self._scale: tuple[float, int] | None = None  # the last scale and its double's bits
 
-def _double_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+    def pack(self, slots, at: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+             scale: float) -> torch.Tensor | None:
+        """Fill ``slots[at : at + LISTED_SLOTS]`` (a ctypes int64 array) and return the ``(B, H_q, 1, D)``
+        output ``attend_listed`` will write; None, writing nothing, where :func:`decode_step` would not
+        serve ``q (B, H_q, 1, D)``, ``k, v (B, H_kv, S >= length, D)``."""
+        if not (self.address is not None and q.dim() == 4 and q.shape[2] == 1 and _serves(q, k, v)
+                and 0 <= length <= k.shape[2]):
+            return None
+        sc = self._scale
+        if sc is None or sc[0] != scale:
+            sc = self._scale = (scale, struct.unpack("<q", struct.pack("<d", float(scale)))[0])
+        out = q.new_empty(q.shape)
+        ks, vs, os_ = k.stride(), v.stride(), out.stride()
+        slots[at : at + LISTED_SLOTS] = (self.address, k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0],
+                                         vs[1], vs[2], out.data_ptr(), os_[0], os_[1], sc[1],
+                                         torch.get_num_threads())
+        return out
 
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

@@ -568,7 +568,7 @@ int kvpass_quest_select_packed(const int64_t *a) {
 }
 
 /* kvpass_quest_select_packed, then the decode attention over the positions it listed (a[30 : 44]:
-   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by pack_listed) */
+   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend) */
 int kvpass_quest_step_packed(const int64_t *a) {
     int rc = kvpass_quest_select_packed(a);
     if (rc) return rc;
@@ -691,6 +691,7 @@ class QuestStep:
         self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
         self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed",
                                         [ctypes.c_void_p])
+        self._listed = cpu_decode.ListedAttend()  # the attention's operands, where select_attend runs it
         ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
@@ -735,7 +736,7 @@ class QuestStep:
         ``idx`` in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read
         in place), ``out (B, H_q, 1, D)``, in one C call; None, having done nothing, where that attention
         does not serve these operands (the caller then selects and attends in two calls)."""
-        out = None if self._step_fn is None else cpu_decode.pack_listed(self._a, 30, q, k, v, length, scale)
+        out = None if self._step_fn is None else self._listed.pack(self._a, 30, q, k, v, length, scale)
         if out is None:
             return None
         pages, idx = self._run(self._step_fn, q, length, n, width, k_new)

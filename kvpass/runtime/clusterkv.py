@@ -169,7 +169,6 @@ class ClusterState(SiteState):
         self.offsets: torch.Tensor | None = None
         self.order: torch.Tensor | None = None
         self._step = None  # the CPU selection's ClusterStep, made for the tensors above (select)
-        self._out: torch.Tensor | None = None  # this step's attention, where select() ran it with the list
         self.tail = 0  # first position not clustered (sinks excluded)
         self.clusterings = 0
         self.kmeans_iters = 0
@@ -359,7 +358,6 @@ class ClusterState(SiteState):
                 and cluster_select_cpu_available())
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
-        self._out = None  # set below where the C step attends too; never an earlier step's
         if self.offloading:
             return self._offload_idx(call)
         budgets = self._budgets(call.length)
@@ -387,11 +385,11 @@ class ClusterState(SiteState):
             step = self._step
             if step is None or not step.holds(*meta, rest[0]):
                 step = self._step = ClusterStep(*meta, rest[0], p.gqa)
-            # the attention in the same C call where it serves the cache (the list holds no padding): kept
-            # for attend_selected, which this step calls next
+            # the attention in the same C call where it serves the cache (the list holds no padding):
+            # forward() returns it (select_out)
             done = step.select_attend(call.q, *rest[1:7], call.k, call.v, call.scale)
             if done is not None:
-                idx, self._out = done
+                idx, self.select_out = done
                 return idx
             return step.select(call.q, *rest[1:7])
         from kvpass.lowering.dispatch import select_clusters
@@ -483,9 +481,6 @@ class ClusterState(SiteState):
         self.tier.sync_recent(self.tail, length, hk[:, :, n_s:].to(dev), hv[:, :, n_s:].to(dev))
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
-        out, self._out = self._out, None
-        if out is not None:
-            return out  # select() attended in its C call
         if not self.offloading:
             q = call.q
             if q.device.type != "cpu" or q.dtype != torch.float32 or call.k.dtype != q.dtype:

@@ -83,7 +83,6 @@ class QuestState(SiteState):
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
         self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (select)
-        self._out: torch.Tensor | None = None  # this step's attention, where select() ran it too
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -178,7 +177,6 @@ class QuestState(SiteState):
                         call.length, self.policy.page_size)
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
-        self._out = None  # set below where the C step attends too; never an earlier step's
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
         covered = length - self.pad.first_min <= budget
@@ -204,11 +202,11 @@ class QuestState(SiteState):
                 if step is None or not step.holds(self.meta, first):
                     step = self._step = QuestStep(self.meta, first, ps, budget, self.policy.gqa)
                 k_new = call.k if steady else None
-                # the attention in the same C call where it serves the cache (it lists no padding): kept
-                # for attend_selected, which this step calls next
+                # the attention in the same C call where it serves the cache (it lists no padding):
+                # forward() returns it (select_out)
                 done = step.select_attend(call.q, length, n, n_pages, call.k, call.v, call.scale, k_new)
                 if done is not None:
-                    self.pages, idx, self._out = done
+                    self.pages, idx, self.select_out = done
                     return idx
                 self.pages, idx = step.select(call.q, length, n, n_pages, k_new=k_new)
             else:
@@ -229,9 +227,6 @@ class QuestState(SiteState):
         return torch.where(idx < length, idx, -1)
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
-        out, self._out = self._out, None
-        if out is not None:
-            return out  # select() attended in its C call
         # select()'s token list, read in place; it lists no padding, so a padded batch is served too
         out = self.attend_listed_in_c(call, idx, lists_padding=False)
         if out is not None:

@@ -393,6 +393,9 @@ class SiteState:
         self.kv_bytes = 0
         self.attended = 0
         self.last_idx: torch.Tensor | None = None
+        # the step's attention where select() ran it in the same call (Quest's and ClusterKV's C steps):
+        # forward() returns it in place of attend_selected()
+        self.select_out: torch.Tensor | None = None
         # The policy's own work (metadata, clustering, selection, quantisation), wall seconds since the
         # sequence started, split by phase; on CUDA these are launch times unless a probe synchronises.
         self.overhead_prefill_s = 0.0
@@ -465,6 +468,7 @@ class SiteState:
         self.steps += 1
         with _range("kvpass.select"):
             self.observe(call)
+            self.select_out = None
             idx = self.select(call)
         if call.start == 0:
             # metadata built from an adopted cache (a prefill done elsewhere) is prefill work
@@ -479,7 +483,8 @@ class SiteState:
                 self.attended = call.length
                 return self.attend_all(call)
             self.attended = -1  # counted from last_idx when a report asks (no device sync per step)
-            return self.attend_selected(call, idx)
+            out, self.select_out = self.select_out, None
+            return self.attend_selected(call, idx) if out is None else out
 
     def attend_all(self, call: AttentionCall) -> torch.Tensor:
         """A decode step that attends every token (Full, or a budget that covers the context)."""
