@@ -119,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ms/token on the tables and the page: the median of the timed steps (of the rounds' "
                         "medians), or the fastest timed step, the cost with the least interference from other "
                         "work (default %(default)s; re-summarises a finished --out without measuring)")
+    g.add_argument("--paired", action="store_true",
+                   help="time each compressed policy's steps alternating with its floor's (Full at the contexts "
+                        "that bracket the tokens it attends) instead of cell after cell: ratios that a shared "
+                        "machine's drift does not move (kvpass.bench.paired; rows in OUT/paired_cost.jsonl)")
     g.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="extra profiled steps in the breakdown cells (default %(default)s; 0: no breakdown)")
     g.add_argument("--no-skinny-linear", dest="skinny_linear", action="store_false",
@@ -297,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         from kvpass.bench.throughput import run as run_throughput
 
         return run_throughput(args)
+    if getattr(args, "paired", False) and not getattr(args, "decode_cost", False):
+        raise ValueError("kvpass: --paired is a way of measuring decode cost: give it with --decode-cost")
     if getattr(args, "decode_cost", False):
         from kvpass.bench.decode_cost import run as run_decode_cost
 

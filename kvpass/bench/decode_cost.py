@@ -61,6 +61,9 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   (same model, policy, context, batch, threads). ``--results-md PATH`` writes a page with the tables and
   PNG plots (in the folder named after PATH's stem, next to it).
 
+- **Paired** (``--paired``): instead of the cells above, each compressed policy's steps alternate with its
+  floor's, one step each (:mod:`kvpass.bench.paired`, rows in ``OUT/paired_cost.jsonl``).
+
 ``--quick``: contexts 1024,2048, batches 1,2 at 2048, 4 timed steps, torch's default threads (22 cells; 2186 s
 measured while two other processes shared the 2 cores, mostly the two compiles).
 """
@@ -264,6 +267,64 @@ def _decode(fwd, cache, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, list[f
 # ---------------------------------------------------------------------------------------------- run
 
 
+def prefill(model, tokenizer, length: int, progress: bool = False):
+    """``(prefill_kv, first_ids, seconds)``: the keys and values of one exact prefill of ``length`` tokens of
+    the prose with the model's own forward (call under ``torch.no_grad()``), and ``first_ids(context, batch)``,
+    the ``(batch, 1)`` token a cell of that context decodes first (the prose's next token, or past the
+    prefill the prefill's own next token)."""
+    from kvpass.bench.perplexity import topics_text
+
+    ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] < length + 1:
+        raise ValueError(f"kvpass: the prose has {ids.shape[1]} tokens, fewer than the prefill of {length}")
+    ids = ids[:, : length + 1]
+    t0 = time.perf_counter()
+    out = model(input_ids=ids[:, :length], use_cache=True, logits_to_keep=1)
+    seconds = time.perf_counter() - t0
+    prefill_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(out.past_key_values)]
+    last_token = out.logits[:, -1].argmax(-1)
+    if progress:
+        print(f"kvpass bench --decode-cost: prefill of {length} tokens in {seconds:.1f} s", flush=True)
+
+    def first_ids(c: int, b: int) -> torch.Tensor:
+        tok = ids[0, c] if c < length else last_token[0]
+        return tok.view(1, 1).expand(b, 1).contiguous()
+
+    return prefill_kv, first_ids, seconds
+
+
+def warm_up(model, backend, fwd, policy, cells, prefill_kv, first_ids, warmup_steps: int) -> None:
+    """Compile and warm ``fwd`` (on ``backend`` with ``policy``) on short contexts for the ``(context, batch)``
+    cells it will run: batch 1 specialises, 2 stands for every larger batch, and a context past the model's
+    positions compiles a graph of its own (measured on the tiny model), warmed up too where a cell needs it."""
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    for b in sorted({min(b, 2) for _, b in cells}):
+        beyond = any(c > max_pos and min(cb, 2) == b for c, cb in cells)
+        for wc in _WARM_CONTEXTS + ((max_pos + _WARM_CONTEXTS[0],) if beyond else ()):
+            backend.set_policy(policy)
+            cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, wc, b)))
+            _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
+            del cache
+
+
+def resume(path: Path, plan: list, threads: list[int], key_of, skinny_linear: bool, what: str, progress: bool):
+    """``(results, pending)``: the rows already in ``path`` for the ``plan``'s ``(policy, context, batch)`` at
+    each of ``threads`` (by ``key_of(policy, context, batch, threads)``, as :func:`cell_key` makes it), and the
+    ``(threads, policy, context, batch)`` still to measure. A file of the other ``skinny_linear`` is refused."""
+    from kvpass.bench.runner import load_results
+
+    existing = {cell_key(r): r for r in load_results(path)}
+    if any(r.get("skinny_linear", True) != skinny_linear for r in existing.values()):
+        raise ValueError(f"kvpass: {path} holds rows measured with skinny_linear={not skinny_linear}; give "
+                         f"skinny_linear={skinny_linear} (--no-skinny-linear) its own --out")
+    results = {k: existing[k] for k in (key_of(p, c, b, t) for t in threads for p, c, b in plan) if k in existing}
+    pending = [(t, p, c, b) for t in threads for p, c, b in plan if key_of(p, c, b, t) not in existing]
+    if progress:
+        print(f"kvpass bench --decode-cost: {len(pending)} of {len(plan) * len(threads)} {what} to run "
+              f"({len(results)} already in {path})", flush=True)
+    return results, pending
+
+
 def _plan(policies: list[Policy], contexts: list[int], batches: list[int], batch_context: int):
     """``[(policy or EAGER, context, batch)]``: by context at batch 1, by batch at ``batch_context``, and
     Full at every context up to ``batch_context`` at every batch (the floors)."""
@@ -308,8 +369,7 @@ def run_decode_cost(
     profiler breakdown (default: 1 and 8, or the largest batch when 8 is not measured). ``skinny_linear``
     is passed to every ``kvpass()`` backend; an ``out_dir`` holds rows of one setting only."""
     from kvpass import kvpass
-    from kvpass.bench.perplexity import topics_text
-    from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
+    from kvpass.bench.runner import _append, _model_name, machine_info, policy_budget, policy_label
     from kvpass.policies.full import Full
 
     if steps < 1 or warmup_steps < 1 or rounds < 1:
@@ -333,43 +393,20 @@ def run_decode_cost(
     def key_of(p, c, b, t) -> tuple:
         return (model_name, EAGER if p == EAGER else p.describe(), int(c), int(b), int(t))
 
-    existing = {cell_key(r): r for r in load_results(path)}
-    if any(r.get("skinny_linear", True) != skinny_linear for r in existing.values()):
-        raise ValueError(f"kvpass: {path} holds rows measured with skinny_linear={not skinny_linear}; give "
-                         f"skinny_linear={skinny_linear} (--no-skinny-linear) its own --out")
-    results = {k: existing[k] for k in (key_of(p, c, b, t) for t in threads for p, c, b in plan) if k in existing}
-    pending = [(t, p, c, b) for t in threads for p, c, b in plan if key_of(p, c, b, t) not in existing]
-    if progress:
-        print(f"kvpass bench --decode-cost: {len(pending)} of {len(plan) * len(threads)} cells to run "
-              f"({len(results)} already in {path})", flush=True)
+    results, pending = resume(path, plan, threads, key_of, skinny_linear, "cells", progress)
     if not pending:
         return [results[key_of(p, c, b, t)] for t in threads for p, c, b in plan]
 
     fwd_eager = model.forward
     prefill_len = min(max(c for _, _, c, _ in pending), max_pos)
-    ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
-    if ids.shape[1] < prefill_len + 1:
-        raise ValueError(f"kvpass: the prose has {ids.shape[1]} tokens, fewer than the prefill of {prefill_len}")
-    ids = ids[:, : prefill_len + 1]
     old_threads = torch.get_num_threads()
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"kvpass: .* left exact")  # counted in the row
-            t0 = time.perf_counter()
-            out = fwd_eager(input_ids=ids[:, :prefill_len], use_cache=True, logits_to_keep=1)
-            prefill_s = time.perf_counter() - t0
-            prefill_kv = [(k.detach(), v.detach()) for k, v in cache_tensors(out.past_key_values)]
-            last_token = out.logits[:, -1].argmax(-1)
-            del out
+            prefill_kv, first_ids, prefill_s = prefill(model, tokenizer, prefill_len, progress)
             kv_heads, head_dim, es = prefill_kv[0][0].shape[1], prefill_kv[0][0].shape[3], prefill_kv[0][0].element_size()
             per_token = kv_bytes_per_token(kv_heads, head_dim, es)
             n_layers = len(prefill_kv)
-            if progress:
-                print(f"kvpass bench --decode-cost: prefill of {prefill_len} tokens in {prefill_s:.1f} s", flush=True)
-
-            def first_ids(c: int, b: int) -> torch.Tensor:
-                tok = ids[0, c] if c < prefill_len else last_token[0]
-                return tok.view(1, 1).expand(b, 1).contiguous()
 
             for t in threads:
                 todo = [g for g in pending if g[0] == t]
@@ -398,16 +435,8 @@ def run_decode_cost(
                         backend = kvpass(Full() if gk == Full().graph_key() else first, skinny_linear=skinny_linear)
                         fwd = torch.compile(fwd_eager, backend=backend, dynamic=True)
                         t0 = time.perf_counter()
-                        warm_batches = {min(g[3], 2) for g in cells}  # batch 1 specialises; 2 stands for all
-                        for b in sorted(warm_batches):
-                            # a context past the model's positions compiles a graph of its own (measured on the
-                            # tiny model): warm that up too when a cell needs it
-                            beyond = any(g[2] > max_pos and min(g[3], 2) == b for g in cells)
-                            for wc in _WARM_CONTEXTS + ((max_pos + _WARM_CONTEXTS[0],) if beyond else ()):
-                                backend.set_policy(first)
-                                cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, wc, b)))
-                                _decode(fwd, cache, first_ids(wc, b), warmup_steps + 2)
-                                del cache
+                        warm_up(model, backend, fwd, first, [(g[2], g[3]) for g in cells], prefill_kv, first_ids,
+                                warmup_steps)
                         runners[gk] = (backend, fwd, time.perf_counter() - t0)
                         if progress:
                             print(f"kvpass bench --decode-cost: compiled {len(backend.graphs)} graph(s) for {gk} "
@@ -583,18 +612,33 @@ def floor_of(row: dict, rows: list[dict]) -> tuple[float | None, str | None]:
     as ``(ms, where)``. Between two measured contexts Full's step is interpolated linearly in the context (it
     reads weights plus N tokens per site: linear in N); outside them the nearest measured context is taken
     (e.g. Full at 1024 for a budget of 1024). ``where`` names the context or the two that bracket N."""
-    fulls = sorted((r for r in rows if r["policy"] == "Full()" and r["batch"] == row["batch"]
-                    and r["threads"] == row["threads"] and r["model"] == row["model"]), key=lambda r: r["context"])
+    fulls = {r["context"]: r["ms_per_token"] for r in rows if r["policy"] == "Full()" and r["batch"] == row["batch"]
+             and r["threads"] == row["threads"] and r["model"] == row["model"]}
     if not fulls:
         return None, None
     n = max(1.0, float(row.get("attended_per_site") or 0))
-    for lo, hi in zip(fulls, fulls[1:]):
-        if lo["context"] < n < hi["context"] and abs(n - lo["context"]) > 0.02 * n and abs(hi["context"] - n) > 0.02 * n:
-            t = (n - lo["context"]) / (hi["context"] - lo["context"])
-            ms = lo["ms_per_token"] + t * (hi["ms_per_token"] - lo["ms_per_token"])
-            return ms, f"{n:.0f}: {lo['context']}-{hi['context']}"
-    best = min(fulls, key=lambda r: (abs(math.log(r["context"] / n)), r["context"]))
-    return best["ms_per_token"], str(best["context"])
+    at, w = bracket(n, list(fulls))
+    return floor_at(at, w, fulls), floor_label(n, at)
+
+
+def bracket(n: float, contexts: list[int]) -> tuple[tuple[int, ...], float]:
+    """Where F(n) is read among Full's measured ``contexts``: ``((lo, hi), w)`` for the two that bracket
+    ``n`` (each more than 2 % away), F = F(lo) + w (F(hi) - F(lo)); else ``((c,), 0.0)`` for the nearest
+    (in ratio; the smaller on a tie)."""
+    cs = sorted(set(int(c) for c in contexts))
+    for lo, hi in zip(cs, cs[1:]):
+        if lo < n < hi and n - lo > 0.02 * n and hi - n > 0.02 * n:
+            return (lo, hi), (n - lo) / (hi - lo)
+    return (min(cs, key=lambda c: (abs(math.log(c / n)), c)),), 0.0
+
+
+def floor_at(at: tuple[int, ...], w: float, ms: dict[int, float]) -> float:
+    """F from Full's ms at the contexts of :func:`bracket` (``ms``: context -> ms)."""
+    return ms[at[0]] if len(at) == 1 else ms[at[0]] + w * (ms[at[1]] - ms[at[0]])
+
+
+def floor_label(n: float, at: tuple[int, ...]) -> str:
+    return f"{n:.0f}: {at[0]}-{at[1]}" if len(at) == 2 else str(at[0])
 
 
 DISTURBED = 0.9  # a compressed cell faster than this times its floor did less work than Full, or the floor was slow
@@ -791,28 +835,12 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
     for r in rows:
         machines[r["threads"]] = (r["machine"], r["bandwidth"])
     r0 = rows[0]
-    lines = [
-        "# Decode cost" + (" (the fastest timed step of each cell)" if statistic == "min" else ""),
-        "",
-        "<!-- Generated by `kvpass bench --decode-cost` (kvpass.bench.decode_cost.write_decode_cost_md); do not "
-        "edit by hand: rerun the command(s) below. -->",
-        "",
-        "Every number on this page comes from the run(s) below; see kvpass/bench/decode_cost.py for the method.",
-        "",
-        "## Command(s)",
-        "",
-        "```bash",
-        *[c for c in commands if c],
-        "```",
-        "",
-        "## Machine",
-        "",
-    ]
+    lines = page_head("# Decode cost" + (" (the fastest timed step of each cell)" if statistic == "min" else ""),
+                      "`kvpass bench --decode-cost` (kvpass.bench.decode_cost.write_decode_cost_md)",
+                      "kvpass/bench/decode_cost.py", commands)
     for t, (m, bw) in sorted(machines.items()):
         lines.append(
-            f"- {t} torch thread(s): {m.get('cpu_count')} cores, {m.get('processor')}, {m.get('platform')}; Python "
-            f"{m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; CPU decode kernels: "
-            f"{_kernels_label(m)}; measured bandwidth "
+            f"{machine_line(t, m)}; measured bandwidth "
             f"{bw['gbps']:.1f} GB/s (best of {bw['repeats']} sums of {bw['mb']} MB: {bw['sum_gbps']:.1f} GB/s read; "
             f"copies: {bw['copy_gbps']:.1f} GB/s read + written)")
     first, last = min(r["finished"] for r in rows), max(r["finished"] for r in rows)
@@ -900,6 +928,21 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def page_head(title: str, generator: str, source: str, commands: list[str]) -> list[str]:
+    """A generated page's first lines: the title, the do-not-edit note naming ``generator``, where the method
+    is (``source``), the command(s) and the machine heading."""
+    return [title, "", f"<!-- Generated by {generator}; do not edit by hand: rerun the command(s) below. -->", "",
+            f"Every number on this page comes from the run(s) below; see {source} for the method.", "",
+            "## Command(s)", "", "```bash", *[c for c in commands if c], "```", "", "## Machine", ""]
+
+
+def machine_line(threads: int, m: dict) -> str:
+    """The machine of a row (``machine_info()``) at ``threads`` torch threads, as a page's list item."""
+    return (f"- {threads} torch thread(s): {m.get('cpu_count')} cores, {m.get('processor')}, {m.get('platform')}; "
+            f"Python {m.get('python')}, torch {m.get('torch')}, transformers {m.get('transformers')}; CPU decode "
+            f"kernels: {_kernels_label(m)}")
+
+
 def _kernels_label(machine: dict) -> str:
     native = machine.get("native_kernels")
     if native is None:
@@ -940,6 +983,8 @@ def _command(args: argparse.Namespace) -> str:
             parts += ["--" + opt.replace("_", "-"), str(v)]
     if args.quick:
         parts.append("--quick")
+    if getattr(args, "paired", False):
+        parts.append("--paired")
     parts += ["--out", str(args.out)]
     return shlex.join(parts)
 
@@ -963,6 +1008,21 @@ def run(args: argparse.Namespace) -> int:
     command = _command(args)
     t0 = time.perf_counter()
     model, tok, model_name, policies, out = load_for_bench(args, policies)
+    if getattr(args, "paired", False):
+        from kvpass.bench import paired
+
+        paired.run_paired(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
+                          steps=steps, warmup_steps=args.warmup_steps, model_name=model_name, command=command,
+                          progress=not args.no_progress, skinny_linear=args.skinny_linear)
+        rows = [r for r in load_results(out / paired.RESULTS) if r["model"] == model_name]
+        print()
+        print(paired.paired_table(rows))
+        if args.results_md:
+            print(f"kvpass bench --decode-cost --paired: wrote "
+                  f"{paired.write_paired_md(out, Path(args.results_md), command)}")
+        print(f"kvpass bench --decode-cost --paired: {len(rows)} groups in {out / paired.RESULTS}; this run took "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        return 0
     run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
                     steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
                     model_name=model_name, command=command, progress=not args.no_progress,

@@ -1,0 +1,118 @@
+"""``kvpass bench --decode-cost --paired`` on the tiny random Llama (structure only: the times mean nothing).
+
+One module-scoped run of :func:`run_paired` (StreamingLLM(budget=48), which shares Full's graph, at contexts
+32 and 96, batch 1, three rotations: three backends compiled), then a rerun into the same folder that must
+find every group done. The steps each call decodes are recorded, so that the rotations' order is checked
+from what ran, and every ratio is recomputed here from the step times in the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import pytest
+import torch
+
+from kvpass.bench import decode_cost as dc
+from kvpass.bench import paired
+from kvpass.bench.cli import tiny_model
+from kvpass.bench.runner import load_results
+
+CONTEXTS, STEPS, WARMUP, BUDGET = [32, 96], 3, 2, 48
+
+
+@pytest.fixture(scope="module")
+def run(smollm2, tmp_path_factory):
+    tok = smollm2.tokenizer
+    model = tiny_model(len(tok))
+    out = tmp_path_factory.mktemp("paired")
+    policies = dc.parse_policies(f"Full,StreamingLLM(budget={BUDGET})")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    calls, decode = [], paired._decode
+
+    def recording(fwd, cache, ids, n):
+        calls.append((id(cache), n))
+        return decode(fwd, cache, ids, n)
+
+    paired._decode = recording
+    kw = dict(batch_context=96, threads=[1], steps=STEPS, warmup_steps=WARMUP, model_name="tiny",
+              command="kvpass bench --decode-cost --paired --model tiny", progress=False)
+    try:
+        rows = paired.run_paired(model, tok, policies, CONTEXTS, [1], out, **kw)
+        n_first = len(calls)
+        again = paired.run_paired(model, tok, policies, CONTEXTS, [1], out, **kw)
+    finally:
+        paired._decode = decode
+        torch.set_num_threads(threads)
+    return out, rows, again, calls, n_first
+
+
+def test_a_group_per_compressed_cell_and_a_rerun_resumes(run):
+    out, rows, again, calls, n_first = run
+    assert [(r["policy_name"], r["context"], r["batch"]) for r in rows] == [("StreamingLLM", 32, 1),
+                                                                          ("StreamingLLM", 96, 1)]
+    assert len(load_results(out / paired.RESULTS)) == 2
+    assert again == rows and len(calls) == n_first  # nothing measured again
+    assert all(r["graphs_compiled_timed"] == 0 for r in rows)
+
+
+def test_the_floor_brackets_the_tokens_attended(run):
+    _, rows, *_ = run
+    by_ctx = {r["context"]: r for r in rows}
+    # StreamingLLM(budget=48) at 96 attends its budget; at 32 (plus the dropped steps) everything it has
+    assert by_ctx[96]["attended_per_site"] == BUDGET
+    assert by_ctx[32]["attended_per_site"] == 32 + WARMUP
+    for r in rows:
+        n = r["attended_per_site"]
+        assert r["floor_contexts"] == [32, 96]  # 34 and 48 each lie between, more than 2 % from both
+        assert r["floor_weight"] == pytest.approx((n - 32) / (96 - 32))
+        assert set(r["full_step_ms"]) == {"32", "96"}
+
+
+def test_every_ratio_is_its_rotation_s_steps(run):
+    _, rows, *_ = run
+    for r in rows:
+        lo, hi = (r["full_step_ms"][str(c)] for c in (32, 96))
+        n, pol = r["attended_per_site"], r["policy_step_ms"]
+        assert len(pol) == len(lo) == len(hi) == STEPS
+        want = [p / (a + (n - 32) / 64 * (b - a)) for p, a, b in zip(pol, lo, hi)]
+        assert r["vs_floor_steps"] == pytest.approx(want)
+        assert r["vs_floor"] == pytest.approx(statistics.median(want))
+        full = r["full_step_ms"][str(r["context"])]
+        assert r["vs_full"] == pytest.approx(statistics.median([p / f for p, f in zip(pol, full)]))
+        q1, q3 = r["vs_floor_quartiles"]
+        assert min(want) <= q1 <= r["vs_floor"] <= q3 <= max(want)
+
+
+def test_rotations_alternate_their_order(run):
+    """Per group: the policy's dropped steps, then Full's at each floor context, then STEPS rotations of one
+    step each, in the opposite order every other rotation."""
+    _, _, _, calls, n_first = run
+    warm = [c for c in calls[:n_first] if c[1] == WARMUP]
+    singles = [c[0] for c in calls[:n_first] if c[1] == 1]
+    assert len(singles) == 2 * STEPS * 3  # two groups, three members each
+    for g in range(2):
+        members = [c for c, _ in warm[3 * g: 3 * g + 3]]  # the order the members were made in
+        steps = singles[g * 3 * STEPS: (g + 1) * 3 * STEPS]
+        for i in range(STEPS):
+            assert steps[3 * i: 3 * i + 3] == (members if i % 2 == 0 else members[::-1])
+
+
+def test_page_has_the_command_and_every_group(run, tmp_path):
+    out, rows, *_ = run
+    page = paired.write_paired_md(out, tmp_path / "paired.md", "kvpass bench --decode-cost --paired --model tiny")
+    text = page.read_text()
+    assert "kvpass bench --decode-cost --paired --model tiny" in text and "do not edit by hand" in text
+    for r in rows:
+        assert f"| StreamingLLM | {r['context']} | 1 | {r['vs_floor']:.2f}× |" in text
+
+
+def test_paired_needs_decode_cost():
+    from kvpass.bench.cli import add_arguments, run as bench_run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="--paired .* --decode-cost"):
+        bench_run(p.parse_args(["--paired"]))
