@@ -1,8 +1,8 @@
 """``kvpass bench --decode-cost --paired`` on the tiny random Llama (structure only: the times mean nothing).
 
 One module-scoped run of :func:`run_paired` (StreamingLLM(budget=48), which shares Full's graph, at contexts
-32 and 96, batch 1, three rotations: three backends compiled), then a rerun into the same folder that must
-find every group done. The steps each call decodes are recorded, so that the rotations' order is checked
+32 and 96 and at the batch context 64, batch 1, three rotations: four backends compiled, Full's at 32, 64 and
+96), then a rerun into the same folder that must find every group done. The steps each call decodes are recorded, so that the rotations' order is checked
 from what ran, and every ratio is recomputed here from the step times in the rows.
 """
 
@@ -19,7 +19,7 @@ from kvpass.bench import paired
 from kvpass.bench.cli import tiny_model
 from kvpass.bench.runner import load_results
 
-CONTEXTS, STEPS, WARMUP, BUDGET = [32, 96], 3, 2, 48
+CONTEXTS, BATCH_CONTEXT, STEPS, WARMUP, BUDGET = [32, 96], 64, 3, 2, 48
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def run(smollm2, tmp_path_factory):
         return decode(fwd, cache, ids, n)
 
     paired._decode = recording
-    kw = dict(batch_context=96, threads=[1], steps=STEPS, warmup_steps=WARMUP, model_name="tiny",
+    kw = dict(batch_context=BATCH_CONTEXT, threads=[1], steps=STEPS, warmup_steps=WARMUP, model_name="tiny",
               command="kvpass bench --decode-cost --paired --model tiny", progress=False)
     try:
         rows = paired.run_paired(model, tok, policies, CONTEXTS, [1], out, **kw)
@@ -51,9 +51,9 @@ def run(smollm2, tmp_path_factory):
 
 def test_a_group_per_compressed_cell_and_a_rerun_resumes(run):
     out, rows, again, calls, n_first = run
-    assert [(r["policy_name"], r["context"], r["batch"]) for r in rows] == [("StreamingLLM", 32, 1),
-                                                                          ("StreamingLLM", 96, 1)]
-    assert len(load_results(out / paired.RESULTS)) == 2
+    assert [(r["policy_name"], r["context"], r["batch"]) for r in rows] == [
+        ("StreamingLLM", 32, 1), ("StreamingLLM", 64, 1), ("StreamingLLM", 96, 1)]
+    assert len(load_results(out / paired.RESULTS)) == 3
     assert again == rows and len(calls) == n_first  # nothing measured again
     assert all(r["graphs_compiled_timed"] == 0 for r in rows)
 
@@ -61,23 +61,24 @@ def test_a_group_per_compressed_cell_and_a_rerun_resumes(run):
 def test_the_floor_brackets_the_tokens_attended(run):
     _, rows, *_ = run
     by_ctx = {r["context"]: r for r in rows}
-    # StreamingLLM(budget=48) at 96 attends its budget; at 32 (plus the dropped steps) everything it has
-    assert by_ctx[96]["attended_per_site"] == BUDGET
+    # StreamingLLM(budget=48) at 64 and 96 attends its budget; at 32 (plus the dropped steps) everything
+    assert by_ctx[96]["attended_per_site"] == by_ctx[64]["attended_per_site"] == BUDGET
     assert by_ctx[32]["attended_per_site"] == 32 + WARMUP
     for r in rows:
         n = r["attended_per_site"]
-        assert r["floor_contexts"] == [32, 96]  # 34 and 48 each lie between, more than 2 % from both
-        assert r["floor_weight"] == pytest.approx((n - 32) / (96 - 32))
-        assert set(r["full_step_ms"]) == {"32", "96"}
+        # 34 and 48 lie between 32 and the batch context 64 (Full runs there too), more than 2 % from both
+        assert r["floor_contexts"] == [32, 64]
+        assert r["floor_weight"] == pytest.approx((n - 32) / (64 - 32))
+        assert set(r["full_step_ms"]) == {"32", "64", str(r["context"])}
 
 
 def test_every_ratio_is_its_rotation_s_steps(run):
     _, rows, *_ = run
     for r in rows:
-        lo, hi = (r["full_step_ms"][str(c)] for c in (32, 96))
+        lo, hi = (r["full_step_ms"][str(c)] for c in (32, 64))
         n, pol = r["attended_per_site"], r["policy_step_ms"]
         assert len(pol) == len(lo) == len(hi) == STEPS
-        want = [p / (a + (n - 32) / 64 * (b - a)) for p, a, b in zip(pol, lo, hi)]
+        want = [p / (a + (n - 32) / 32 * (b - a)) for p, a, b in zip(pol, lo, hi)]
         assert r["vs_floor_steps"] == pytest.approx(want)
         assert r["vs_floor"] == pytest.approx(statistics.median(want))
         full = r["full_step_ms"][str(r["context"])]
@@ -92,12 +93,15 @@ def test_rotations_alternate_their_order(run):
     _, _, _, calls, n_first = run
     warm = [c for c in calls[:n_first] if c[1] == WARMUP]
     singles = [c[0] for c in calls[:n_first] if c[1] == 1]
-    assert len(singles) == 2 * STEPS * 3  # two groups, three members each
-    for g in range(2):
-        members = [c for c, _ in warm[3 * g: 3 * g + 3]]  # the order the members were made in
-        steps = singles[g * 3 * STEPS: (g + 1) * 3 * STEPS]
+    sizes = [3, 3, 4]  # the policy and Full at 32 and 64; at 96 Full at the cell's context too
+    assert len(warm) == sum(sizes) and len(singles) == STEPS * sum(sizes)
+    w = s = 0
+    for k in sizes:
+        members = [c for c, _ in warm[w: w + k]]  # the order the members were made in
+        steps = singles[s: s + k * STEPS]
         for i in range(STEPS):
-            assert steps[3 * i: 3 * i + 3] == (members if i % 2 == 0 else members[::-1])
+            assert steps[k * i: k * i + k] == (members if i % 2 == 0 else members[::-1])
+        w, s = w + k, s + k * STEPS
 
 
 def test_page_has_the_command_and_every_group(run, tmp_path):

@@ -26,7 +26,8 @@ is inside that drift. Here the two sides of each ratio are measured a few tens o
 - **Resumable**: rows go to ``OUT/paired_cost.jsonl`` as groups finish; a rerun skips the cells there.
 
 The cells are the decode-cost page's compressed ones: every policy of ``--policies`` but Full at every
-context at batch 1 and at every batch at ``--batch-context``.
+context (``--batch-context`` included: Full runs there too) at batch 1 and at every batch at
+``--batch-context``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def run_paired(
         raise ValueError(f"kvpass: paired decode cost needs steps and warmup_steps >= 1, got {steps}, {warmup_steps}")
     if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
         raise ValueError(f"kvpass: paired decode cost needs positive contexts and batches, got {contexts}, {batches}")
-    contexts = sorted(set(contexts))
+    contexts = sorted(set(contexts) | {int(batch_context)})  # Full runs at each: a floor or a cell's own context
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS
