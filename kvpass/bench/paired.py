@@ -54,18 +54,13 @@ RESULTS = "paired_cost.jsonl"
 
 
 def _cells(policies: list[Policy], contexts: list[int], batches: list[int], batch_context: int):
-    """``[(policy, context, batch)]`` of the compressed policies (Full is the floor, not a cell)."""
+    """``[(policy, context, batch)]``: the decode-cost plan's cells of the compressed policies (Full is the
+    floor, eager not measured here)."""
+    from kvpass.bench.decode_cost import EAGER, _plan
     from kvpass.policies.full import Full
 
-    cells, seen = [], set()
-    for p in policies:
-        if isinstance(p, Full):
-            continue
-        for c, b in [(c, 1) for c in contexts] + [(batch_context, b) for b in batches]:
-            if (p.describe(), c, b) not in seen:
-                seen.add((p.describe(), c, b))
-                cells.append((p, c, b))
-    return cells
+    return [g for g in _plan(policies, contexts, batches, batch_context)
+            if g[0] != EAGER and not isinstance(g[0], Full)]
 
 
 def quartiles(xs: list[float]) -> tuple[float, float]:
