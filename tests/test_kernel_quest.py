@@ -306,6 +306,58 @@ def test_top_pages_cpu_matches_ref(b, h_kv, g, d, scored, n, gqa, integral, seed
                 assert worst >= best_left - 1e-4 * (1 + abs(best_left))
 
 
+def _few_values_inputs(b, h_kv, g, d, scored, levels, seed):
+    """Bounds and queries in ``{-1, 0, 1}`` (``levels`` 3) or all zero queries (``levels`` 1): exact sums
+    of a few distinct values, so most pages tie with others."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-1, 2, (b, h_kv * g, d), generator=gen).float() * (levels > 1)
+    keys = torch.randint(-1, 2, (b, h_kv, scored + 3, 2, d), generator=gen).float()
+    return q, _half_meta(keys.amax(3), keys.amin(3))
+
+
+@given(
+    b=st.integers(1, 2), h_kv=st.integers(1, 2), g=st.sampled_from([1, 3]), d=st.sampled_from([4, 64]),
+    scored=st.integers(41, 1500), frac=st.floats(0.0, 1.2), levels=st.sampled_from([1, 3]),
+    gqa=st.sampled_from(["sum", "max"]), seed=SEEDS,
+)
+def test_top_pages_cpu_many_pages_and_ties_match_ref(b, h_kv, g, d, scored, frac, levels, gqa, seed):
+    """The C choice scores every page, finds the n-th best bound and takes the pages above it, then the
+    first ones equal to it: with hundreds of pages and few distinct bounds (all equal for a zero query)
+    it takes exactly the reference's pages, ties to the lower page."""
+    from kvpass.kernels.quest import quest_top_pages_cpu, quest_top_pages_ref
+
+    n = int(frac * scored)
+    q, meta = _few_values_inputs(b, h_kv, g, d, scored, levels, seed)
+    got = quest_top_pages_cpu(q, meta, scored, n, gqa)
+    assert torch.equal(got, quest_top_pages_ref(q, meta, scored, n, gqa))
+    if levels == 1 and 0 < n < scored:  # every bound 0: the first n pages
+        assert torch.equal(got[..., :-1], torch.arange(n).expand(b, h_kv, n))
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_top_pages_cpu_sorts_where_the_partition_rounds_run_out(rounds):
+    """Past ``SELECT_ROUNDS`` partition rounds (inputs made to defeat the pivot) the C choice sorts what is
+    left: the same pages. A build with 0, 1 or 2 rounds reaches that fallback on ordinary inputs."""
+    import ctypes
+
+    from kvpass.kernels import native
+    from kvpass.kernels.quest import _TOP_SOURCE, QuestStep
+
+    source = _TOP_SOURCE.replace("#define SELECT_ROUNDS 64", f"#define SELECT_ROUNDS {rounds}")
+    assert source != _TOP_SOURCE
+    few = native.function(f"quest_select_rounds{rounds}", source, "kvpass_quest_select_packed", [ctypes.c_void_p])
+    assert few is not None
+    for seed, (scored, n, levels) in enumerate([(700, 63, 3), (300, 150, 1), (513, 1, 3), (90, 89, 3)]):
+        q, meta = _few_values_inputs(2, 3, 3, 64, scored, levels, seed)
+        q = q + torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)) * (seed % 2)  # some distinct
+        length = (scored + 1) * 16
+        want = QuestStep(meta, None, 16, 0).select(q, length, n, n)
+        step = QuestStep(meta, None, 16, 0)
+        step._fn = few
+        got = step.select(q, length, n, n)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @given(scored=st.integers(1, 40), n=st.integers(1, 45), gqa=st.sampled_from(["sum", "max"]), seed=SEEDS)
 def test_top_pages_torch_path_chooses_the_same_pages(scored, n, gqa, seed):
     # the torch path (where C is not built) picks the same set; only the order differs (topk's)
