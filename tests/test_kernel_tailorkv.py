@@ -850,6 +850,60 @@ def test_tailor_cpu_refusals():
         CpuStep(torch.zeros(1, 2, 30, 8), None, kT, kT[..., 0].abs())  # k without v
 
 
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=HEAD_DIMS, S=st.integers(1, 400),
+       k=st.integers(0, 200), padded=st.booleans(), cosine=st.booleans(), seed=SEEDS)
+def test_select_append_attend_equals_its_three_calls(B, H_kv, G, D, S, k, padded, cosine, seed):
+    """The runtime's steady step in one C call (CpuStep.select_append_attend) lists what select lists, writes
+    what append writes (host tier, channel-major keys, max |K|) and outputs decode_step's attention over
+    that list, the step's token included; with the estimate's cosine added once."""
+    from kvpass.kernels import cpu_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    cap = S + 5
+    n_s, n_r = min(4, S - 1), min(20, max(S - 5, 0)) + 1  # the recent tokens end with the step's own
+    mid_end = S + 1 - n_r
+    k_, v_ = torch.randn(B, H_kv, cap, D, generator=gen), torch.randn(B, H_kv, cap, D, generator=gen)
+    kT = k_.transpose(2, 3).contiguous().bfloat16()
+    kabs = k_[:, :, :S].abs().amax(2)
+    first = torch.randint(0, max(mid_end - n_s, 0) + 1, (B,), generator=gen) if padded else None
+    q = torch.randn(B, H_kv * G, 1, D, generator=gen)
+    q_c = q + 0.5 * torch.randn(q.shape, generator=gen)
+    kn, vn = torch.randn(B, H_kv, 1, D, generator=gen), torch.randn(B, H_kv, 1, D, generator=gen)
+    c = min(4, D)
+    bufs = [(k_.clone(), v_.clone(), kT.clone(), kabs.clone()) for _ in range(2)]
+    coss = [torch.full((1,), 0.5, dtype=torch.float64) for _ in range(2)]
+    one = CpuStep(*bufs[0][:3], bufs[0][3], first)
+    three = CpuStep(*bufs[1][:3], bufs[1][3], first)
+    got = one.select_append_attend(q, n_s, mid_end, k, n_r, q_c, c, coss[0] if cosine else None, kn, vn, S, 0.3)
+    assert got is not None
+    want_idx = three.select(q, n_s, mid_end, k, n_r, q_c=q_c, n_channels=c, cos=coss[1] if cosine else None)
+    assert three.append(kn, vn, S)
+    want_out = cpu_decode.decode_step(q, bufs[1][0], bufs[1][1], cap, want_idx, 0.3)
+    assert torch.equal(got[0], want_idx) and torch.equal(got[1], want_out)
+    assert (got[0] == S).any(-1).all()  # the step's own token, attended
+    for a, b in zip(bufs[0], bufs[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(coss[0], coss[1])
+
+
+def test_select_append_attend_refuses_what_one_call_cannot_serve():
+    """None, having written nothing, where the step's tokens, the queries or the capacity are not what the
+    one call serves (the runtime then makes the three calls)."""
+    k_, v_ = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    kT = k_.transpose(2, 3).contiguous()
+    kabs = k_.abs().amax(2)
+    step = CpuStep(k_, v_, kT, kabs)
+    q, kn = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8)
+    before = [t.clone() for t in (k_, v_, kT, kabs)]
+    args = (2, 30, 8, 5, q, 2, None)
+    assert step.select_append_attend(q, *args, torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), 34, 0.3) is None
+    assert step.select_append_attend(q, *args, kn.double(), kn.double(), 34, 0.3) is None
+    assert step.select_append_attend(q, *args, kn, kn, 40, 0.3) is None  # past the capacity
+    assert step.select_append_attend(q[:, :, 0], *args, kn, kn, 34, 0.3) is None  # a (B, H_q, D) query
+    assert all(torch.equal(a, b) for a, b in zip(before, (k_, v_, kT, kabs)))
+    assert step.select_append_attend(q, *args, kn, kn, 34, 0.3) is not None
+
+
 @given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=GQA_GROUPS, D=HEAD_DIMS, S=st.integers(0, 700),
        c=st.integers(1, 8), k=st.integers(0, 300), four_d=st.booleans(), padded=st.booleans(), seed=SEEDS)
 def test_select_picking_the_channels_equals_the_two_steps(B, H_kv, G, D, S, c, k, four_d, padded, seed):

@@ -186,3 +186,29 @@ def test_a_steady_cpu_step_attends_in_its_selections_c_call(policy, owned, monke
         assert idx is not None and idx.shape[-1] == 64
         ref = attend_oracle(q, k, v, as_sets(idx), 1 / math.sqrt(q.shape[-1]))
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("estimate", [None, lambda q: q * 0.5 + 0.1], ids=["true-query", "estimate"])
+def test_a_steady_tailorkv_cpu_step_is_one_c_call(estimate, monkeypatch):
+    """TailorKV's steady fp32 CPU step of a sparse layer selects, appends the step's token and attends in
+    one C call (``CpuStep.select_append_attend``), never in the three it replaces, and lists and outputs
+    exactly what those three do (the same channels and candidates: the append comes after the selection);
+    its output is the oracle's over the positions it lists."""
+    from kvpass.kernels import cpu_decode
+    from kvpass.kernels.tailorkv import CpuStep
+    from kvpass.policies.tailorkv import TailorKV
+
+    policy = TailorKV(sparse_budget=48, static_tokens=16, sinks=4, critical_channels=4, residual=64, group_size=64)
+    calls = []
+    for cls, name in [(CpuStep, "select"), (CpuStep, "append"), (cpu_decode, "decode_step")]:
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    fused = prefill_then_decode(policy, length=150, steps=3, owned=True, ops=False, estimate=estimate)
+    assert calls == []
+    monkeypatch.setattr(CpuStep, "select_append_attend", lambda *a, **kw: None)  # the three calls instead
+    apart = prefill_then_decode(policy, length=150, steps=3, owned=True, ops=False, estimate=estimate)
+    assert calls.count("select") == calls.count("append") == calls.count("decode_step") == 3
+    for (q, k, v, out, idx), (*_, out2, idx2) in zip(fused, apart):
+        assert idx.shape[-1] == 48 and torch.equal(idx, idx2) and torch.equal(out, out2)
+        ref = attend_oracle(q, k, v, as_sets(idx), 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

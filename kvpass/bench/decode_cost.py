@@ -907,9 +907,9 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
         "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "
         "`bookkeeping` (ranges `kvpass.bookkeeping`), `runtime` (the rest of the time inside `kvpass::` ops) and "
         "`rest` (linear layers and everything else: the profiled step time minus the others). `source` says "
-        "whether the runtime's `kvpass.*` ranges were present (`ranges`) or only op names (`ops`). Quest and "
-        "ClusterKV on CPU attend in their selection's C call (docs/design.md, \"Rows ahead in L2\"): their "
-        "`selection` holds their attention. Profiled steps run slower than timed ones (profiler overhead).",
+        "whether the runtime's `kvpass.*` ranges were present (`ranges`) or only op names (`ops`). Quest, "
+        "ClusterKV and TailorKV's sparse layers on CPU attend in their selection's C call (docs/design.md, "
+        "\"Rows ahead in L2\"): their `selection` holds their attention. Profiled steps run slower than timed ones (profiler overhead).",
     ]
     beyond = sorted({r["context"] for r in rows if r["beyond_positions"]})
     if beyond:

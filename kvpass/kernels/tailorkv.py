@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import require_triton, tl, triton
+from . import cpu_decode
 from .native import VECTOR
 
 __all__ = [
@@ -838,7 +839,7 @@ _CPU_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR + r"""
+""" + VECTOR + cpu_decode.LISTED_C + r"""
 /* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. No
    branches, so that a loop of them vectorises: a negative float's bits are flipped, a positive one's sign
    bit set. */
@@ -1545,10 +1546,25 @@ int kvpass_tailor_append_packed(const int64_t *a) {
                                 a[24], a[25], a[26], a[27], a[28], a[29], a[30]);
 }
 
+/* A sparse layer's whole CPU decode step in one call (three from Python cost tens of microseconds a site,
+   at 30 sites a step): the selection (a[0 : 35]), the append of the step's token (aa: its key is one of
+   the recent tokens the list ends with, never a candidate, so the channels and candidates are those of two
+   calls), then the decode attention over the list (a[12]: (B, H, a[50]) positions) in the first a[49] rows
+   of k, v (a[35 : 49]: kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend). Returns the
+   selection's codes, or -1 where the attention's scratch cannot be had. */
+int kvpass_tailor_step_packed(const int64_t *a, const int64_t *aa) {
+    int rc = kvpass_tailor_select_packed(a);
+    if (rc) return rc;
+    kvpass_tailor_append_packed(aa);
+    return attend_listed(a + 35, P_(const float *, a[0]), a[1], a[2], P_(const int64_t *, a[12]), a[13], a[14],
+                         a[15], a[16], a[17], a[49], a[50], a[19]) ? -1 : 0;
+}
+
 """
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SELECT_ARGS, _APPEND_ARGS = 35, 31  # the packed functions' int64 arrays
+_STEP_ARGS = _SELECT_ARGS + cpu_decode.LISTED_SLOTS + 2  # kvpass_tailor_step_packed's first array
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
                    + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
 
@@ -1561,7 +1577,8 @@ def _cpu_fn(symbol: str, argtypes: list, restype=ctypes.c_int):
 
 def cpu_select_available() -> bool:
     """Whether the C functions of a sparse layer's CPU step are built (see :mod:`kvpass.kernels.native`)."""
-    return all(_cpu_fn(s, [_P]) is not None for s in ("kvpass_tailor_select_packed", "kvpass_tailor_append_packed"))
+    return all(_cpu_fn(s, [_P]) is not None for s in ("kvpass_tailor_select_packed", "kvpass_tailor_append_packed",
+                                                      "kvpass_tailor_step_packed"))
 
 
 def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -1597,6 +1614,8 @@ class CpuStep:
                  kabs: torch.Tensor | None = None, first: torch.Tensor | None = None):
         self._select_fn = _cpu_fn("kvpass_tailor_select_packed", [_P])
         self._append_fn = _cpu_fn("kvpass_tailor_append_packed", [_P])
+        self._step_fn = _cpu_fn("kvpass_tailor_step_packed", [_P, _P])
+        self._listed = cpu_decode.ListedAttend()  # the attention's operands, where select_append_attend runs it
         ok = (self._select_fn is not None and self._append_fn is not None and kT.dim() == 4
               and (_plain_cpu(kT, torch.float32) or _plain_cpu(kT, torch.bfloat16)) and kT.shape[1] > 0)
         b, h, d = kT.shape[:3] if kT.dim() == 4 else (0, 0, 0)
@@ -1621,7 +1640,7 @@ class CpuStep:
         # the packed functions' arguments (kvpass_tailor_*_packed), the fixed ones set here
         kt = (kT.data_ptr(), int(kT.dtype == torch.bfloat16), *kT.stride()[:3])
         kab = (0, 0, 0) if kabs is None else (kabs.data_ptr(), kabs.stride(0), kabs.stride(1))
-        self._sa = (ctypes.c_int64 * _SELECT_ARGS)()
+        self._sa = (ctypes.c_int64 * _STEP_ARGS)()
         self._sa[3:8] = kt
         self._sa[11] = 0 if first is None else first.data_ptr()
         self._sa[15:17] = (b, h)
@@ -1680,7 +1699,44 @@ class CpuStep:
         out = torch.empty((b, h, n_sinks + min(k, n) + n_recent), dtype=torch.int64)
         if not out.numel():
             return out
+        self._fill_select(out, q, chs, c, n_sinks, mid_end, k, n_recent, qc, ch_out, cos)
+        self._raise_for(self._select_fn(self._sa))
+        return out
+
+    def select_append_attend(self, q: torch.Tensor, n_sinks: int, mid_end: int, k: int, n_recent: int,
+                             q_c: torch.Tensor, n_channels: int, cos: torch.Tensor | None, k_new: torch.Tensor,
+                             v_new: torch.Tensor, at: int, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step in one C call: :meth:`select` (the channels picked from ``q_c``), :meth:`append` of
+        the step's ``k_new, v_new (B, H_kv, 1, D)`` at ``at``, then the decode attention of ``q (B, H_q, 1,
+        D)`` over the listed positions of ``k, v`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read in
+        place). Returns ``(idx (B, H_kv, N), out (B, H_q, 1, D))``; None, having done nothing, where one of
+        the three would not serve these operands (the caller then makes them one by one)."""
+        b, h, d = self.b, self.h, self.d
+        n = mid_end - n_sinks
+        kb, kh, kt, kd = k_new.shape if k_new.dim() == 4 else (0, 0, 0, 0)
+        if not (self._step_fn is not None and self._aa is not None and self.kabs is not None and kt == 1
+                and _queries(q, b, d) and q.dim() == 4 and q.shape[1] % h == 0 and _queries(q_c, b, d)
+                and q_c.shape[1] == q.shape[1] and 0 <= n_channels <= d and 0 <= n_sinks and n >= 0 and k >= 0
+                and n_recent >= 0 and mid_end <= self.kT.shape[3] and (cos is None or (
+                    _plain_cpu(cos, torch.float64) and cos.numel() == 1))
+                and _cpu_fp32(k_new) and _cpu_fp32(v_new) and (kb, kh, kd) == (b, h, d)
+                and v_new.shape == k_new.shape and 0 <= at < self.cap):
+            return None
+        width = n_sinks + min(k, n) + n_recent
         a = self._sa
+        out = None if width == 0 else self._listed.pack(a, _SELECT_ARGS, q, self.k, self.v, self.cap, scale)
+        if out is None:
+            return None
+        idx = torch.empty((b, h, width), dtype=torch.int64)
+        self._fill_select(idx, q, (0, 0, 0), n_channels, n_sinks, mid_end, k, n_recent,
+                          (q_c.data_ptr(), q_c.stride(0), q_c.stride(1)), None, cos)
+        a[_STEP_ARGS - 2 :] = (self.cap, width)
+        self._fill_append(k_new, v_new, at)
+        self._raise_for(self._step_fn(a, self._aa))
+        return idx, out
+
+    def _fill_select(self, out, q, chs, c, n_sinks, mid_end, k, n_recent, qc, ch_out, cos) -> None:
+        a, h = self._sa, self.h
         a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
         a[8:11] = chs
         a[12:15] = (out.data_ptr(), out.stride(0), out.stride(1))
@@ -1688,7 +1744,10 @@ class CpuStep:
         a[20:28] = (n_sinks, mid_end, k, n_recent, torch.get_num_threads(), *qc)
         co = (0, 0, 0) if ch_out is None else (ch_out.data_ptr(), ch_out.stride(0), ch_out.stride(1))
         a[31:35] = (*co, 0 if cos is None else cos.data_ptr())
-        rc = self._select_fn(a)
+
+    def _raise_for(self, rc: int) -> None:
+        a, d = self._sa, self.d
+        n, c = a[21] - a[20], a[18]  # mid_end - n_sinks, the channels
         if rc == -2:
             raise ValueError(f"kvpass: tailor_select_cpu needs the channels ch in [0, D={d})")
         if rc == -3:
@@ -1699,7 +1758,6 @@ class CpuStep:
                              f"<= 256, got {c} channels, head_dim {d}")
         if rc != 0:
             raise MemoryError("kvpass: tailor_select_cpu could not allocate its scratch")
-        return out
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, at: int) -> bool:
         """The decode append (:func:`tailor_append_cpu`) into this step's ``k, v, kT, kabs``; False, having
@@ -1710,13 +1768,16 @@ class CpuStep:
                 or (b, h, d) != (self.b, self.h, self.d) or v_new.shape != k_new.shape or at < 0
                 or at + t > self.cap):
             return False
+        self._fill_append(k_new, v_new, at)
+        self._append_fn(self._aa)
+        return True
+
+    def _fill_append(self, k_new: torch.Tensor, v_new: torch.Tensor, at: int) -> None:
         a = self._aa
         ks, vs = k_new.stride(), v_new.stride()
         a[0:8] = (k_new.data_ptr(), ks[0], ks[1], ks[2], v_new.data_ptr(), vs[0], vs[1], vs[2])
-        a[26] = t
+        a[26] = k_new.shape[2]
         a[28:31] = (at, ks[3], vs[3])
-        self._append_fn(a)
-        return True
 
 
 def tailor_select_cpu(

@@ -187,6 +187,9 @@ class TailorState(SiteState):
         self.cpu_step = None  # in_c: the C step over this layer's buffers (kvpass.kernels.tailorkv.CpuStep)
         self.n_s = 0  # sinks held (fixed when the sequence is loaded)
         self.listed: torch.Tensor | None = None  # in_c: (B, H_kv, N) positions this step attends
+        # in_c, fetch in the attention: this step's selection (CpuStep.select's arguments), which the
+        # attention runs in its own C call (select, append, attend: _decode_in_c)
+        self.pending: tuple | None = None
         self.channel_bytes = 0  # the critical channels of the candidates read (or copied) this step
         # a left-padded batch served in place: (B,) int64 each row's first real position, and their sum
         self.first: torch.Tensor | None = None
@@ -378,14 +381,15 @@ class TailorState(SiteState):
         self._fetch_step(q, past)
         return ticket
 
-    def _fetch_step(self, q: torch.Tensor, past: int) -> None:
-        """The fetch of a decode step with ``past`` cached tokens, by the op or (CPU) by the attention."""
+    def _fetch_step(self, q: torch.Tensor, past: int, attend: bool = False) -> None:
+        """The fetch of a decode step with ``past`` cached tokens, by the op or (CPU) by the attention
+        (``attend``: on the C path the attention makes the selection, in its own call)."""
         if self.tier != SPARSE or q.shape[2] != 1 or past == 0 or past != self.logical:
             return
         t0 = time.perf_counter()
         if self._in_c(q) and q.shape[0] == self.kabs.shape[0]:
             with _range("kvpass.select"):
-                self._fetch_in_c(q, past + 1, cosine=True)
+                self._fetch_in_c(q, past + 1, cosine=True, defer=attend)
             self.overhead_decode_s += time.perf_counter() - t0
             return
         if self.q_hat is not None:
@@ -438,17 +442,21 @@ class TailorState(SiteState):
             self.bytes_moved += self.sel_k.numel() * self.sel_k.element_size() + self.sel_v.numel() * self.sel_v.element_size()
         self.plan = (n_s, picked, n_r)
 
-    def _fetch_in_c(self, q: torch.Tensor, length: int, cosine: bool) -> None:
+    def _fetch_in_c(self, q: torch.Tensor, length: int, cosine: bool, defer: bool = False) -> None:
         """The CPU path's fetch, one C call: the critical channels from the estimate ``q̂`` (the true query
         where no estimate came: the first layer, an adopted cache), the top-k by them, the list of positions
-        this step attends; with ``cosine``, ``cos(q̂, q)`` added to ``cos_c``. ``q (B, H_q, [1,] D)``."""
+        this step attends; with ``cosine``, ``cos(q̂, q)`` added to ``cos_c``. ``q (B, H_q, [1,] D)``.
+        ``defer``: the call is left to the attention (``pending``), which makes it with its own."""
         p = self.policy
         n_s, mid_end, n_r = self._ranges(length)
         n, c = mid_end - n_s, min(p.critical_channels, self.kT.shape[2])
         q_c = self.q_hat if self.q_hat is not None else q
         cos = self.cos_c if cosine and self.q_hat is not None else None
-        self.listed = self._cpu_step().select(q, n_s, mid_end, p.topk, n_r, q_c=q_c, cos=cos, n_channels=c)
-        b, h, d = self.cpu_step.b, self.cpu_step.h, self.cpu_step.d
+        if defer:
+            self.listed, self.pending = None, (q, n_s, mid_end, p.topk, n_r, q_c, c, cos)
+        else:
+            self.listed = self._cpu_step().select(q, n_s, mid_end, p.topk, n_r, q_c=q_c, cos=cos, n_channels=c)
+        b, h, d = self.kT.shape[:3]
         if cos is not None:
             self.cos_n += 1
         if n > p.topk:  # what a GPU's prefetch copies: the critical channels of every row's own candidates
@@ -538,7 +546,7 @@ class TailorState(SiteState):
         if t > 1:
             return self._chunk(q, k_new, v_new, attn_mask, scale, is_causal)
         if self.info.fetch_in_attention and self.plan is None:
-            self._fetch_step(q, past)  # this graph has no kvpass::fetch (CPU): the fetch runs here
+            self._fetch_step(q, past, attend=True)  # this graph has no kvpass::fetch (CPU): the fetch runs here
         return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
 
     def _reorder(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
@@ -563,7 +571,7 @@ class TailorState(SiteState):
             # the fetch ran (or skipped a resized batch): select again; without it _decode says it is missing
             redo = q.shape[2] == 1 and (self.plan is not None or q.shape[0] != b)
             self._wait(q.device)
-            self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = self.listed = None
+            self.ch = self.k_ch = self.plan = self.sel_k = self.sel_v = self.listed = self.pending = None
             if redo and self._in_c(q):
                 self._fetch_in_c(q, length, cosine=False)
             elif redo:
@@ -620,14 +628,39 @@ class TailorState(SiteState):
         return out
 
     def _decode_in_c(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
-        """A sparse layer's step on CPU: the listed rows of the host tier, read in place."""
+        """A sparse layer's step on CPU: the listed rows of the host tier, read in place. A selection the
+        fetch left to it (``pending``) runs here, with the append and the attention in the same C call
+        where that call serves the operands (in that order, as in three calls)."""
         from kvpass.kernels import cpu_decode
 
-        with _range("kvpass.bookkeeping"):
-            self._host_append(k_new, v_new, kabs=True)
-        if self.plan is None or self.listed is None:
+        pend, self.pending = self.pending, None
+        if self.plan is None or (self.listed is None and pend is None):
             raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
                               "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
+        st = self.store
+        if pend is not None:
+            with _range("kvpass.bookkeeping"):
+                end = self._host_room(k_new, v_new)
+            t0 = time.perf_counter()
+            with _range("kvpass.select"):  # the attention too, in the same call
+                sq, n_s, mid_end, topk, n_r, q_c, c, cos = pend
+                step = self._cpu_step()
+                done = None if sq is not q else step.select_append_attend(
+                    q, n_s, mid_end, topk, n_r, q_c, c, cos, k_new, v_new, st.length, scale)
+                if done is None:  # the selection first, as the fused call makes it
+                    self.listed = step.select(sq, n_s, mid_end, topk, n_r, q_c=q_c, cos=cos, n_channels=c)
+            self.overhead_decode_s += time.perf_counter() - t0
+            if done is not None:
+                st.length = end
+                idx, out = done
+                self.plan, self.last_idx, self.attended = None, idx, -1
+                if self.probe is not None:
+                    hk, hv = st.views()
+                    self.probe(self, _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical,
+                                                self.logical - 1), idx)
+                return out
+        with _range("kvpass.bookkeeping"):
+            self._host_append(k_new, v_new, kabs=True)
         idx, self.plan = self.listed, None
         self.last_idx = idx
         if self.probe is not None:
@@ -647,13 +680,7 @@ class TailorState(SiteState):
         max of |k| (fp32 here: the in-C path). One C call where the operands allow (a decode step's five
         ops otherwise)."""
         st = self.store
-        end = st.length + k_new.shape[2]
-        st._reserve(k_new, v_new, end)
-        if self.kT.shape[3] < end:
-            kT = host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
-            kT[..., : st.length] = self.kT[..., : st.length]
-            kT[..., st.length :].zero_()
-            self.kT = kT
+        end = self._host_room(k_new, v_new)
         if not (kabs and self._cpu_step().append(k_new, v_new, st.length)):
             st.k[:, :, st.length : end] = k_new
             st.v[:, :, st.length : end] = v_new
@@ -661,6 +688,19 @@ class TailorState(SiteState):
             if kabs:
                 torch.maximum(self.kabs, k_new.abs().amax(2), out=self.kabs)
         st.length = end
+
+    def _host_room(self, k_new, v_new) -> int:
+        """Room in the host tier and the channel-major keys for the new tokens (a capacity growth, an
+        event); returns the length after them."""
+        st = self.store
+        end = st.length + k_new.shape[2]
+        st._reserve(k_new, v_new, end)
+        if self.kT.shape[3] < end:
+            kT = host_empty((*self.kT.shape[:3], st.k.shape[2]), self.kT.dtype)
+            kT[..., : st.length] = self.kT[..., : st.length]
+            kT[..., st.length :].zero_()
+            self.kT = kT
+        return end
 
     def _selection(self, call) -> torch.Tensor:
         """(B, H_kv, N) positions attended at this step (for reports and the recall probe)."""
