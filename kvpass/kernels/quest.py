@@ -399,8 +399,8 @@ static inline half half_step(half h, int up) {
 static inline half half_up(float x) { half h = (half)x; return (float)h < x ? half_step(h, 1) : h; }
 static inline half half_down(float x) { half h = (half)x; return (float)h > x ? half_step(h, 0) : h; }
 
-/* The k-th largest (1 <= k <= n) of x[0, n), reordering x: a quickselect with three-way partitions
-   (ties in one pass), the median of three as pivot; past SELECT_ROUNDS rounds (inputs made to defeat the
+/* The k-th largest (1 <= k <= n) of x[0, n), reordering x: a quickselect whose rounds split the keys
+   three ways (above the pivot, equal to it, below: ties settle in one round), the median of three as pivot; past SELECT_ROUNDS rounds (inputs made to defeat the
    pivot) the rest is sorted. */
 #define SELECT_ROUNDS 64
 static int desc_float(const void *a, const void *b) {

@@ -1548,8 +1548,8 @@ int kvpass_tailor_append_packed(const int64_t *a) {
 
 /* A sparse layer's whole CPU decode step in one call (three from Python cost tens of microseconds a site,
    at 30 sites a step): the selection (a[0 : 35]), the append of the step's token (aa: its key is one of
-   the recent tokens the list ends with, never a candidate, so the channels and candidates are those of two
-   calls), then the decode attention over the list (a[12]: (B, H, a[50]) positions) in the first a[49] rows
+   the recent tokens the list ends with, never a candidate, so the channels and candidates are those of
+   separate calls), then the decode attention over the list (a[12]: (B, H, a[50]) positions) in the first a[49] rows
    of k, v (a[35 : 49]: kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend). Returns the
    selection's codes, or -1 where the attention's scratch cannot be had. */
 int kvpass_tailor_step_packed(const int64_t *a, const int64_t *aa) {
