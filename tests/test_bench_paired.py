@@ -120,3 +120,19 @@ def test_paired_needs_decode_cost():
     add_arguments(p)
     with pytest.raises(ValueError, match="--paired .* --decode-cost"):
         bench_run(p.parse_args(["--paired"]))
+
+
+@pytest.mark.parametrize("bench, kw, match", [
+    (dc.run_decode_cost, dict(rounds=0), "decode cost needs steps, warmup_steps, rounds >= 1, got .*rounds=0"),
+    (paired.run_paired, dict(steps=0, batch_context=64, threads=[1]),
+     "paired decode cost needs steps, warmup_steps >= 1, got steps=0"),
+    (paired.run_paired, dict(contexts=[], batch_context=64, threads=[1]), "needs positive contexts and batches"),
+    (dc.run_decode_cost, dict(batches=[0]), "decode cost needs positive contexts and batches"),
+])
+def test_both_benches_refuse_an_empty_grid_or_a_count_below_one(bench, kw, match, tmp_path):
+    """Before loading or measuring anything (no model is needed to reach the check)."""
+    args = {"contexts": [32], "batches": [1], **kw}
+    contexts, batches = args.pop("contexts"), args.pop("batches")
+    with pytest.raises(ValueError, match=match):
+        bench(None, None, [], contexts, batches, tmp_path, **args)
+    assert not any(tmp_path.iterdir())

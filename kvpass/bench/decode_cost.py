@@ -372,11 +372,7 @@ def run_decode_cost(
     from kvpass.bench.runner import _append, _model_name, machine_info, policy_budget, policy_label
     from kvpass.policies.full import Full
 
-    if steps < 1 or warmup_steps < 1 or rounds < 1:
-        raise ValueError(f"kvpass: decode cost needs steps, warmup_steps and rounds >= 1, got {steps}, "
-                         f"{warmup_steps}, {rounds}")
-    if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
-        raise ValueError(f"kvpass: decode cost needs positive contexts and batches, got {contexts}, {batches}")
+    check_grid("decode cost", contexts, batches, steps=steps, warmup_steps=warmup_steps, rounds=rounds)
     policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
     batch_context = int(batch_context or max(contexts))
     threads = threads or [torch.get_num_threads()]
@@ -619,6 +615,16 @@ def floor_of(row: dict, rows: list[dict]) -> tuple[float | None, str | None]:
     n = max(1.0, float(row.get("attended_per_site") or 0))
     at, w = bracket(n, list(fulls))
     return floor_at(at, w, fulls), floor_label(n, at)
+
+
+def check_grid(what: str, contexts: list[int], batches: list[int], **counts: int) -> None:
+    """Refuse a count below 1 (``counts``: name -> value) or empty or non-positive contexts or batches;
+    ``what`` names the bench in the message."""
+    if min(counts.values()) < 1:
+        raise ValueError(f"kvpass: {what} needs {', '.join(counts)} >= 1, got "
+                         + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
+        raise ValueError(f"kvpass: {what} needs positive contexts and batches, got {contexts}, {batches}")
 
 
 def bracket(n: float, contexts: list[int]) -> tuple[tuple[int, ...], float]:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from kvpass.bench.decode_cost import (
-    _cell_kv, _decode, _now, _site_sums, bracket, floor_at, floor_label, machine_line, page_head, prefill, resume,
-    warm_up,
+    _cell_kv, _decode, _now, _site_sums, bracket, check_grid, floor_at, floor_label, machine_line, page_head, prefill,
+    resume, warm_up,
 )
 from kvpass.bench.timing import cache_from, graph_keys_kept
 from kvpass.policies.base import Policy
@@ -94,10 +94,7 @@ def run_paired(
     from kvpass.bench.runner import _append, _model_name, machine_info, policy_label
     from kvpass.policies.full import Full
 
-    if steps < 1 or warmup_steps < 1:
-        raise ValueError(f"kvpass: paired decode cost needs steps and warmup_steps >= 1, got {steps}, {warmup_steps}")
-    if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
-        raise ValueError(f"kvpass: paired decode cost needs positive contexts and batches, got {contexts}, {batches}")
+    check_grid("paired decode cost", contexts, batches, steps=steps, warmup_steps=warmup_steps)
     contexts = sorted(set(contexts) | {int(batch_context)})  # Full runs at each: a floor or a cell's own context
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
