@@ -329,6 +329,27 @@ def test_attention_cpu_kernel_matches_ref(p: QuantAttentionProblem):
     assert_attention_close(out, quant_decode_attention_ref(q, kq, vq, k_res, v_res), q, kq, vq, k_res, v_res)
 
 
+@pytest.mark.parametrize("bits", [(1, 1), (2, 1)])
+def test_attention_cpu_kernel_splits_its_pairs_over_threads(bits):
+    """Enough (row, head) pairs and tokens for the C kernel to split them over two threads: the same output
+    as one thread, bit for bit (a pair is one thread's work), and the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 64, generator=gen)
+    k, v = torch.randn(2, 2, 4096, 64, generator=gen), torch.randn(2, 2, 4096, 64, generator=gen)
+    kq, vq = quantize_pack_ref(k, bits[0], 64, "channel"), quantize_pack_ref(v, bits[1], 64, "token")
+    kr, vr = torch.randn(2, 2, 7, 64, generator=gen), torch.randn(2, 2, 7, 64, generator=gen)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_decode_attention_cpu(q, kq, vq, kr, vr)
+        torch.set_num_threads(2)
+        two = quant_decode_attention_cpu(q, kq, vq, kr, vr)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+    assert_attention_close(two, quant_decode_attention_ref(q, kq, vq, kr, vr), q, kq, vq, kr, vr)
+
+
 @pytest.mark.parametrize("bits", [(1, 1), (2, 2), (1, 2)])
 def test_attention_cpu_kernel_off_the_vector_path(bits):
     """head_dim 24 (not a multiple of 16: the scalar loops) and a group of 16 queries, the most it serves."""

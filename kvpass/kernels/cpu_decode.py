@@ -34,14 +34,9 @@ from .native import VECTOR
 
 __all__ = ["available", "cpu_decode_attention", "cpu_decode_attention_ref"]
 
-_SOURCE = r"""
-#include <float.h>
-#include <pthread.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-""" + VECTOR + r"""
+# The softmax pieces of the vector path (also in kvpass.kernels.tailorkv's quantised attention); needs
+# VECTOR, <float.h> and <string.h>.
+SOFTMAX_C = r"""
 /* m ? a : b, lane by lane (C has no vector ?:) */
 static inline vf sel(vi m, vf a, vf b) {
     vi ia, ib;
@@ -96,6 +91,33 @@ static float exp_sum(float *restrict x, int64_t n, float m) {
     return hsumv(acc);
 }
 
+/* the largest of n values */
+static float max_of(const float *restrict x, int64_t n) {
+    float m = -FLT_MAX;
+    int64_t i = 0;
+    if (n >= VW) {
+        vf mv = loadv(x);
+        for (i = VW; i + VW <= n; i += VW) {
+            vf y = loadv(x + i);
+            mv = sel(y > mv, y, mv);
+        }
+        float t[VW];
+        storev(t, mv);
+        for (int64_t j = 0; j < VW; j++) m = t[j] > m ? t[j] : m;
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+"""
+
+_SOURCE = r"""
+#include <float.h>
+#include <pthread.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+""" + VECTOR + SOFTMAX_C + r"""
 /* rows prefetched ahead: listed rows are scattered (clusters, pages), so the hardware cannot guess them.
    Pass 1 asks for each K row twice: into L2 FAR rows ahead, into L1 AHEAD rows ahead. The L2 requests keep
    more misses in flight than L1's fill buffers hold. Measured (30 sites read cold, 8k cache, 1024 listed
@@ -172,24 +194,6 @@ static inline __attribute__((always_inline)) void scores_body(
             for (int64_t r = 0; r < live; r++) sc[g * N + n0 + r] = b4[r] == -FLT_MAX ? -FLT_MAX : o[r];
         }
     }
-}
-
-/* the largest of n values */
-static float max_of(const float *restrict x, int64_t n) {
-    float m = -FLT_MAX;
-    int64_t i = 0;
-    if (n >= VW) {
-        vf mv = loadv(x);
-        for (i = VW; i + VW <= n; i += VW) {
-            vf y = loadv(x + i);
-            mv = sel(y > mv, y, mv);
-        }
-        float t[VW];
-        storev(t, mv);
-        for (int64_t j = 0; j < VW; j++) m = t[j] > m ? t[j] : m;
-    }
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
 }
 
 /* Pass 2 of the vector path: out_g = sum_n sc[g * N + n] v_row / l[g], CB chunks of the row at a time

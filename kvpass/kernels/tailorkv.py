@@ -834,12 +834,13 @@ def partial_topk_ref(
 # reads in place (kvpass.kernels.cpu_decode). Two C calls replace some twenty torch ops a site.
 
 _CPU_SOURCE = r"""
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-""" + VECTOR + cpu_decode.LISTED_C + r"""
+""" + VECTOR + cpu_decode.SOFTMAX_C + cpu_decode.LISTED_C + r"""
 /* An order-preserving key: a larger float gives a larger key; NaN ranks as `nan_key`, -0 as +0. No
    branches, so that a loop of them vectorises: a negative float's bits are flipped, a positive one's sign
    bit set. */
@@ -1365,10 +1366,7 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
 /* fp16 -> fp32 (GCC's _Float16 on x86-64) */
 static inline float h2f(const uint16_t *p) { _Float16 h; memcpy(&h, p, sizeof h); return (float)h; }
 
-/* One (b, h) pair of quant_decode_attention: G queries over S quantised tokens (keys per channel in groups
-   of gk tokens, values per token in groups of gv channels; bits_k/bits_v wide) and R full-precision ones.
-   A key is zero + code * scale, so q . k = q . zero + (q * scale) . code per key group: the codes are
-   unpacked in registers, never written out. sc: G * (S + R) floats of scratch. */
+/* One (b, h) pair of quant_decode_attention's operands, at the pair's first element */
 typedef struct {
     const float *q; int64_t qs_h;
     const uint8_t *kp; int64_t kp_s;
@@ -1380,13 +1378,16 @@ typedef struct {
     float *out; int64_t os_h;
 } qpair;
 
-static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t G, int64_t S, int64_t R,
-                       int64_t D, int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale) {
+/* One (b, h) pair of quant_decode_attention in scalar loops (quant_pair_body where it cannot serve): G queries
+   over S quantised tokens (keys per channel in groups of gk tokens, values per token in groups of gv channels;
+   bk/bv bits wide) and R full-precision ones. sc: G * (S + R) floats of scratch. */
+static void quant_pair_scalar(const qpair *a, float *sc, const float (*lut)[8], int64_t G, int64_t S, int64_t R,
+                              int64_t D, int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale) {
     const int64_t pk = 8 / bk, pv = 8 / bv, N = S + R;
     const uint32_t mk = (1u << bk) - 1;
     float w[16][256], base[16], m[16], l[16], sv[256], zv[256], code[256], row[256];
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;
-    for (int64_t j = 0; j < S / gk; j++) {  /* pass 1: scores of the quantised keys, group by group */
+    for (int64_t j = 0; j < S / gk; j++) {
         const uint16_t *s16 = a->ks + j * a->km_s, *z16 = a->kz + j * a->km_s;
         for (int64_t d = 0; d < D; d++) { sv[d] = h2f(s16 + d); zv[d] = h2f(z16 + d); }
         for (int64_t g = 0; g < G; g++) {
@@ -1406,7 +1407,7 @@ static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t
             }
         }
     }
-    for (int64_t t = 0; t < R; t++) {  /* the residual's full-precision keys */
+    for (int64_t t = 0; t < R; t++) {
         const float *kr = a->kr + t * a->kr_s;
         for (int64_t g = 0; g < G; g++) {
             const float *qg = a->q + g * a->qs_h;
@@ -1424,7 +1425,7 @@ static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t
     }
     float acc[16][256];
     for (int64_t g = 0; g < G; g++) for (int64_t d = 0; d < D; d++) acc[g][d] = 0.f;
-    for (int64_t t = 0; t < S; t++) {  /* pass 2: values rebuilt a token at a time */
+    for (int64_t t = 0; t < S; t++) {
         const uint8_t *byte = a->vp + t * a->vp_s;
         const uint16_t *s16 = a->vs + t * a->vm_s, *z16 = a->vz + t * a->vm_s;
         for (int64_t i = 0; i < D / pv; i++) memcpy(code + i * pv, lut[byte[i]], sizeof(float) * (size_t)pv);
@@ -1450,10 +1451,178 @@ static void quant_pair(const qpair *a, float *sc, const float (*lut)[8], int64_t
     }
 }
 
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef _Float16 vhf __attribute__((vector_size(2 * VW)));
+
+/* VW fp16 values as floats */
+static inline vf halves(const uint16_t *p) {
+    vhf x;
+    memcpy(&x, p, sizeof x);
+    return __builtin_convertvector(x, vf);
+}
+
+/* VW key codes of one token: channels [c0, c0 + VW) of a packed key row (a byte a channel), shifted by sh */
+static inline vf key_codes(const uint8_t *row, int sh, uint32_t mask) {
+    vb x;
+    memcpy(&x, row, sizeof x);
+    vh y = __builtin_convertvector(x, vh);  /* via 16 bits: GCC 12 widens bytes to 32 bits a lane at a time */
+    return __builtin_convertvector((__builtin_convertvector(y, vu) >> (uint32_t)sh) & mask, vf);
+}
+
+/* VW value codes of one token: lane j is (x >> j * bits) & mask, x the chunk's VW * bits bits */
+static inline vf value_codes(uint32_t x, uint32_t mask, vu lanes) {
+    return __builtin_convertvector(((vu){0} + x) >> lanes & mask, vf);
+}
+
+/* One (b, h) pair of quant_decode_attention: G queries over S quantised tokens (keys per channel in groups
+   of gk tokens, values per token in groups of gv channels; bits_k/bits_v wide) and R full-precision ones.
+   A key is zero + code * scale, so q . k = q . zero + (q * scale) . code per key group: the codes are
+   unpacked in registers, never written out, VW channels at a time, and four tokens' sums are folded
+   together (a horizontal sum per token and query cost more than its products). sc: G * (S + R) floats of
+   scratch. */
+static inline __attribute__((always_inline)) void quant_pair_body(
+        const qpair *a, float *sc, int64_t G, int64_t S, int64_t R, int64_t D, int64_t bk, int64_t bv, int64_t gk,
+        int64_t gv, float scale) {
+    const int64_t N = S + R, DV = D / VW, pk_shift = bk == 1 ? 3 : 2;  /* 8 / bk tokens a key byte */
+    const uint32_t mk = (1u << bk) - 1, mv = (1u << bv) - 1;
+    float w[16 * 256], base[16], m[16], l[16];
+    for (int64_t j = 0; j < S / gk; j++) {  /* pass 1: scores of the quantised keys, group by group */
+        const uint16_t *s16 = a->ks + j * a->km_s, *z16 = a->kz + j * a->km_s;
+        for (int64_t g = 0; g < G; g++) {  /* w = q * scale * s and base = q . z * scale, a group's own */
+            const float *qg = a->q + g * a->qs_h;
+            vf b = (vf){0};
+            for (int64_t c = 0; c < DV; c++) {
+                vf qv = loadv(qg + VW * c);
+                storev(w + g * D + VW * c, qv * halves(s16 + VW * c) * scale);
+                b += qv * halves(z16 + VW * c);
+            }
+            base[g] = hsumv(b) * scale;
+        }
+        for (int64_t t0 = j * gk; t0 < (j + 1) * gk; t0 += 4) {
+            v4 part[16][4];
+            for (int64_t r = 0; r < 4; r++) {
+                const int64_t t = t0 + r;
+                const uint8_t *row = a->kp + (t >> pk_shift) * a->kp_s;
+                const int sh = (int)((t & ((1 << pk_shift) - 1)) * bk);
+                vf acc[16];
+                vf x = key_codes(row, sh, mk);
+                for (int64_t g = 0; g < G; g++) acc[g] = loadv(w + g * D) * x;
+                for (int64_t c = 1; c < DV; c++) {
+                    x = key_codes(row + VW * c, sh, mk);
+                    for (int64_t g = 0; g < G; g++) acc[g] += loadv(w + g * D + VW * c) * x;
+                }
+                for (int64_t g = 0; g < G; g++) part[g][r] = fold4(acc[g]);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                v4 u0 = __builtin_shufflevector(part[g][0], part[g][1], 0, 4, 1, 5)
+                      + __builtin_shufflevector(part[g][0], part[g][1], 2, 6, 3, 7);
+                v4 u1 = __builtin_shufflevector(part[g][2], part[g][3], 0, 4, 1, 5)
+                      + __builtin_shufflevector(part[g][2], part[g][3], 2, 6, 3, 7);
+                v4 s4 = __builtin_shufflevector(u0, u1, 0, 1, 4, 5) + __builtin_shufflevector(u0, u1, 2, 3, 6, 7)
+                      + base[g];
+                memcpy(sc + g * N + t0, &s4, sizeof s4);
+            }
+        }
+    }
+    for (int64_t t = 0; t < R; t++) {  /* the residual's full-precision keys */
+        const float *kr = a->kr + t * a->kr_s;
+        for (int64_t g = 0; g < G; g++) sc[g * N + S + t] = dot(a->q + g * a->qs_h, kr, D) * scale;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = max_of(sc + g * N, N);
+        l[g] = exp_sum(sc + g * N, N, m[g]);
+    }
+    vf acc[16 * 16];
+    for (int64_t i = 0; i < G * DV; i++) acc[i] = (vf){0};
+    vu lanes;
+    for (int64_t i = 0; i < VW; i++) lanes[i] = (uint32_t)(i * bv);
+    const int64_t cw = VW * bv;  /* a chunk's bits */
+    for (int64_t t = 0; t < S; t++) {  /* pass 2: values rebuilt a token at a time, in registers */
+        const uint8_t *row = a->vp + t * a->vp_s;
+        const uint16_t *s16 = a->vs + t * a->vm_s, *z16 = a->vz + t * a->vm_s;
+        vf s[16], z[16];
+        if (gv % VW == 0) {
+            for (int64_t c = 0; c < DV; c++) { s[c] = (vf){0} + h2f(s16 + c * VW / gv); z[c] = (vf){0} + h2f(z16 + c * VW / gv); }
+        } else {
+            for (int64_t c = 0; c < DV; c++)
+                for (int64_t i = 0; i < VW; i++) { s[c][i] = h2f(s16 + (c * VW + i) / gv); z[c][i] = h2f(z16 + (c * VW + i) / gv); }
+        }
+        for (int64_t c = 0; c < DV; c++) {
+            uint32_t x;  /* the chunk's bits: 16 or 32, whole bytes */
+            if (cw == 16) { uint16_t u; memcpy(&u, row + c * 2, 2); x = u; }
+            else memcpy(&x, row + c * 4, 4);
+            vf v = z[c] + value_codes(x, mv, lanes) * s[c];
+            for (int64_t g = 0; g < G; g++) acc[g * DV + c] += sc[g * N + t] * v;
+        }
+    }
+    for (int64_t t = 0; t < R; t++) {
+        const float *vr = a->vr + t * a->vr_s;
+        for (int64_t c = 0; c < DV; c++) {
+            vf x = loadv(vr + VW * c);
+            for (int64_t g = 0; g < G; g++) acc[g * DV + c] += sc[g * N + S + t] * x;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.f / l[g];
+        for (int64_t c = 0; c < DV; c++) storev(a->out + g * a->os_h + VW * c, acc[g * DV + c] * inv);
+    }
+}
+
+static void quant_pair_3_64(const qpair *a, float *sc, int64_t G, int64_t S, int64_t R, int64_t D, int64_t bk,
+                            int64_t bv, int64_t gk, int64_t gv, float scale) {
+    (void)G; (void)D;
+    quant_pair_body(a, sc, 3, S, R, 64, bk, bv, gk, gv, scale);
+}
+static void quant_pair_any(const qpair *a, float *sc, int64_t G, int64_t S, int64_t R, int64_t D, int64_t bk,
+                           int64_t bv, int64_t gk, int64_t gv, float scale) {
+    quant_pair_body(a, sc, G, S, R, D, bk, bv, gk, gv, scale);
+}
+
+typedef struct {
+    const float *q; int64_t qs_b, qs_h;
+    const uint8_t *kp; int64_t kp_b, kp_h, kp_s;
+    const uint16_t *ks, *kz; int64_t km_b, km_h, km_s;
+    const uint8_t *vp; int64_t vp_b, vp_h, vp_s;
+    const uint16_t *vs, *vz; int64_t vm_b, vm_h, vm_s;
+    const float *kr; int64_t kr_b, kr_h, kr_s;
+    const float *vr; int64_t vr_b, vr_h, vr_s;
+    float *out; int64_t os_b, os_h;
+    int64_t H, G, S, R, D, bk, bv, gk, gv, lo, hi;
+    const float (*lut)[8];
+    float scale;
+    int rc;
+} qjob;
+
+static void run_quant(qjob *j) {
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(j->G * (j->S + j->R) > 0 ? j->G * (j->S + j->R) : 1));
+    j->rc = sc ? 0 : -1;
+    /* the vector path: whole vectors of channels, key groups of whole 4-token blocks, and a value chunk's codes
+       in 16 or 32 bits */
+    const int vec = j->D % VW == 0 && j->gk % 4 == 0 && (VW * j->bv == 16 || VW * j->bv == 32);
+    for (int64_t p = j->lo; p < j->hi && !j->rc; p++) {
+        const int64_t b = p / j->H, h = p % j->H;
+        qpair a = {j->q + b * j->qs_b + h * j->G * j->qs_h, j->qs_h,
+                   j->kp + b * j->kp_b + h * j->kp_h, j->kp_s,
+                   j->ks + b * j->km_b + h * j->km_h, j->kz + b * j->km_b + h * j->km_h, j->km_s,
+                   j->vp + b * j->vp_b + h * j->vp_h, j->vp_s,
+                   j->vs + b * j->vm_b + h * j->vm_h, j->vz + b * j->vm_b + h * j->vm_h, j->vm_s,
+                   j->kr + b * j->kr_b + h * j->kr_h, j->kr_s,
+                   j->vr + b * j->vr_b + h * j->vr_h, j->vr_s,
+                   j->out + b * j->os_b + h * j->G * j->os_h, j->os_h};
+        if (!vec) quant_pair_scalar(&a, sc, j->lut, j->G, j->S, j->R, j->D, j->bk, j->bv, j->gk, j->gv, j->scale);
+        else if (j->G == 3 && j->D == 64) quant_pair_3_64(&a, sc, 3, j->S, j->R, 64, j->bk, j->bv, j->gk, j->gv, j->scale);
+        else quant_pair_any(&a, sc, j->G, j->S, j->R, j->D, j->bk, j->bv, j->gk, j->gv, j->scale);
+    }
+    free(sc);
+}
+static void *run_quant_thread(void *arg) { run_quant((qjob *)arg); return 0; }
+
 /* quant_decode_attention on CPU: q (B, H*G, D); kp (B, H, S/pk, D) uint8, ks/kz (B, H, S/gk, D) fp16;
    vp (B, H, S, D/pv) uint8, vs/vz (B, H, S, D/gv) fp16; kr/vr (B, H, R, D) fp32; out (B, H*G, D).
-   Strides (b, h, row) per operand, last dims contiguous. Returns 0, -1 (no memory), -2 (G > 16 or
-   D > 256). One thread: a quantised layer is one of a model's layers, and its codes are few bytes. */
+   Strides (b, h, row) per operand, last dims contiguous. The (b, h) pairs are split over up to `threads`
+   threads. Returns 0, -1 (no memory), -2 (G > 16 or D > 256). */
 int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
                            const uint8_t *kp, int64_t kp_b, int64_t kp_h, int64_t kp_s,
                            const uint16_t *ks, const uint16_t *kz, int64_t km_b, int64_t km_h, int64_t km_s,
@@ -1463,27 +1632,44 @@ int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
                            const float *vr, int64_t vr_b, int64_t vr_h, int64_t vr_s,
                            float *out, int64_t os_b, int64_t os_h,
                            int64_t B, int64_t H, int64_t G, int64_t S, int64_t R, int64_t D,
-                           int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale) {
+                           int64_t bk, int64_t bv, int64_t gk, int64_t gv, float scale, int64_t threads) {
     if (G > 16 || D > 256) return -2;
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (S + R) > 0 ? G * (S + R) : 1));
-    if (!sc) return -1;
-    float lut[256][8];  /* the codes of a value byte, as floats */
+    float lut[256][8];  /* the codes of a value byte, as floats (the scalar loops) */
     for (int64_t x = 0; x < 256; x++)
         for (int64_t i = 0; i < 8 / bv; i++) lut[x][i] = (float)((x >> (i * bv)) & ((1 << bv) - 1));
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            qpair a = {q + b * qs_b + h * G * qs_h, qs_h,
-                       kp + b * kp_b + h * kp_h, kp_s,
-                       ks + b * km_b + h * km_h, kz + b * km_b + h * km_h, km_s,
-                       vp + b * vp_b + h * vp_h, vp_s,
-                       vs + b * vm_b + h * vm_h, vz + b * vm_b + h * vm_h, vm_s,
-                       kr + b * kr_b + h * kr_h, kr_s,
-                       vr + b * vr_b + h * vr_h, vr_s,
-                       out + b * os_b + h * G * os_h, os_h};
-            quant_pair(&a, sc, (const float (*)[8])lut, G, S, R, D, bk, bv, gk, gv, scale);
-        }
-    free(sc);
-    return 0;
+    const int64_t pairs = B * H;
+    int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (t > pairs) t = pairs;
+#ifdef _OPENMP
+    if (pairs * (S + R) < 4096 * t) t = 1;  /* torch's warm pool: a parallel region costs microseconds */
+#else
+    if (pairs * (S + R) < 16384 * t) t = 1;  /* starting a thread costs more than it saves */
+#endif
+    qjob jobs[MAX_THREADS];
+    for (int64_t i = 0; i < t; i++) {
+        qjob j = {q, qs_b, qs_h, kp, kp_b, kp_h, kp_s, ks, kz, km_b, km_h, km_s, vp, vp_b, vp_h, vp_s,
+                  vs, vz, vm_b, vm_h, vm_s, kr, kr_b, kr_h, kr_s, vr, vr_b, vr_h, vr_s, out, os_b, os_h,
+                  H, G, S, R, D, bk, bv, gk, gv, pairs * i / t, pairs * (i + 1) / t,
+                  (const float (*)[8])lut, scale, 0};
+        jobs[i] = j;
+    }
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(t) schedule(static, 1)  /* torch's pool (kvpass.kernels.native) */
+    for (int64_t i = 0; i < t; i++) run_quant(&jobs[i]);
+#else
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_quant_thread, &jobs[i]) == 0;
+    for (int64_t i = 1; i < t; i++)
+        if (!started[i]) run_quant(&jobs[i]);
+    run_quant(&jobs[0]);
+    for (int64_t i = 1; i < t; i++)
+        if (started[i]) pthread_join(tid[i], 0);
+#endif
+    int rc = 0;
+    for (int64_t i = 0; i < t; i++)
+        if (jobs[i].rc && !rc) rc = jobs[i].rc;
+    return rc;
 }
 
 /* fp32 -> bfloat16 bits, rounded to nearest even (torch's conversion); NaN -> a quiet NaN */
@@ -1566,7 +1752,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SELECT_ARGS, _APPEND_ARGS = 35, 31  # the packed functions' int64 arrays
 _STEP_ARGS = _SELECT_ARGS + cpu_decode.LISTED_SLOTS + 2  # kvpass_tailor_step_packed's first array
 _QUANT_ARGTYPES = ([_P, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I] + [_P, _I, _I, _I] + [_P, _P, _I, _I, _I]
-                   + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float])
+                   + [_P, _I, _I, _I] * 2 + [_P, _I, _I] + [_I] * 10 + [ctypes.c_float, _I])
 
 
 def _cpu_fn(symbol: str, argtypes: list, restype=ctypes.c_int):
@@ -1843,7 +2029,8 @@ def quant_decode_attention_cpu(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res
             vq.packed.data_ptr(), *vq.packed.stride()[:3], vq.scale.data_ptr(), vq.zero.data_ptr(), *vq.scale.stride()[:3],
             k_res.data_ptr(), *k_res.stride()[:3], v_res.data_ptr(), *v_res.stride()[:3],
             out.data_ptr(), out.stride(0), out.stride(1),
-            B, H, H_q // H, S, R, D, kq.bits, vq.bits, kq.group_size, vq.group_size, float(scale))
+            B, H, H_q // H, S, R, D, kq.bits, vq.bits, kq.group_size, vq.group_size, float(scale),
+            torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"kvpass: {who} could not allocate its scratch (rc={rc})")
     return out
