@@ -1280,7 +1280,7 @@ typedef struct {
     int rc;
 } select_job;
 
-static void *run_select(void *arg) {
+static int run_select(void *arg) {
     select_job *j = (select_job *)arg;
     int64_t n = j->mid_end - j->n_s;
     size_t m = (size_t)(n > 0 ? n : 1);
@@ -1306,10 +1306,47 @@ static void *run_select(void *arg) {
                             j->n_r, j->width);
     }
     free(key);
-    return 0;
+    return j->rc;
 }
 
 #define MAX_THREADS 64
+typedef int (*job_fn)(void *);
+#ifndef _OPENMP
+typedef struct { job_fn fn; void *job; int rc; } thread_arg;
+static void *thread_main(void *arg) {
+    thread_arg *a = (thread_arg *)arg;
+    a->rc = a->fn(a->job);
+    return 0;
+}
+#endif
+/* fn on each of t jobs, `size` bytes apart from `jobs`: on torch's OpenMP pool where the library is built
+   with it (kvpass.kernels.native: warm threads, no second pool spinning against torch's), else on t - 1
+   threads started here and the caller's; returns the first nonzero result, 0 when all are 0 */
+static int run_jobs(job_fn fn, void *jobs, size_t size, int64_t t) {
+    int rc[MAX_THREADS] = {0};
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(t) schedule(static, 1)
+    for (int64_t i = 0; i < t; i++) rc[i] = fn((char *)jobs + i * size);
+#else
+    pthread_t tid[MAX_THREADS];
+    thread_arg arg[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t i = 1; i < t; i++) {
+        arg[i] = (thread_arg){fn, (char *)jobs + i * size, 0};
+        started[i] = pthread_create(&tid[i], 0, thread_main, &arg[i]) == 0;
+    }
+    for (int64_t i = 1; i < t; i++)
+        if (!started[i]) arg[i].rc = fn(arg[i].job);  /* no thread to be had: its share here */
+    rc[0] = fn(jobs);
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i]) pthread_join(tid[i], 0);
+        rc[i] = arg[i].rc;
+    }
+#endif
+    for (int64_t i = 0; i < t; i++)
+        if (rc[i]) return rc[i];
+    return 0;
+}
 /* kT (B, H, D, S) channel-major, fp32, or bfloat16 with kt_bf16 (strides in elements), ch (B, H, C), first (B) or NULL: each row's first real position (a
    left-padded batch), out (B, H, n_s + min(k, mid_end - n_s) + n_r); the pairs split over up to `threads`
    threads when each gets at least 4k candidates (16k where each call starts its own threads).
@@ -1344,23 +1381,7 @@ int kvpass_tailor_select(const float *q, int64_t qs_b, int64_t qs_h,
                         qc_b, qc_h, a_b, a_h, co_b, co_h, 0};
         jobs[i] = j;
     }
-#ifdef _OPENMP
-    #pragma omp parallel for num_threads(t) schedule(static, 1)  /* torch's pool (kvpass.kernels.native) */
-    for (int64_t i = 0; i < t; i++) run_select(&jobs[i]);
-#else
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_select, &jobs[i]) == 0;
-    for (int64_t i = 1; i < t; i++)
-        if (!started[i]) run_select(&jobs[i]);
-    run_select(&jobs[0]);
-    for (int64_t i = 1; i < t; i++)
-        if (started[i]) pthread_join(tid[i], 0);
-#endif
-    int rc = 0;
-    for (int64_t i = 0; i < t; i++)
-        if (jobs[i].rc && !rc) rc = jobs[i].rc;
-    return rc;
+    return run_jobs(run_select, jobs, sizeof jobs[0], t);
 }
 
 /* fp16 -> fp32 (GCC's _Float16 on x86-64) */
@@ -1595,7 +1616,8 @@ typedef struct {
     int rc;
 } qjob;
 
-static void run_quant(qjob *j) {
+static int run_quant(void *arg) {
+    qjob *j = (qjob *)arg;
     float *sc = (float *)malloc(sizeof(float) * (size_t)(j->G * (j->S + j->R) > 0 ? j->G * (j->S + j->R) : 1));
     j->rc = sc ? 0 : -1;
     /* the vector path: whole vectors of channels, key groups of whole 4-token blocks, and a value chunk's codes
@@ -1616,8 +1638,8 @@ static void run_quant(qjob *j) {
         else quant_pair_any(&a, sc, j->G, j->S, j->R, j->D, j->bk, j->bv, j->gk, j->gv, j->scale);
     }
     free(sc);
+    return j->rc;
 }
-static void *run_quant_thread(void *arg) { run_quant((qjob *)arg); return 0; }
 
 /* quant_decode_attention on CPU: q (B, H*G, D); kp (B, H, S/pk, D) uint8, ks/kz (B, H, S/gk, D) fp16;
    vp (B, H, S, D/pv) uint8, vs/vz (B, H, S, D/gv) fp16; kr/vr (B, H, R, D) fp32; out (B, H*G, D).
@@ -1653,23 +1675,7 @@ int kvpass_quant_attention(const float *q, int64_t qs_b, int64_t qs_h,
                   (const float (*)[8])lut, scale, 0};
         jobs[i] = j;
     }
-#ifdef _OPENMP
-    #pragma omp parallel for num_threads(t) schedule(static, 1)  /* torch's pool (kvpass.kernels.native) */
-    for (int64_t i = 0; i < t; i++) run_quant(&jobs[i]);
-#else
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&tid[i], 0, run_quant_thread, &jobs[i]) == 0;
-    for (int64_t i = 1; i < t; i++)
-        if (!started[i]) run_quant(&jobs[i]);
-    run_quant(&jobs[0]);
-    for (int64_t i = 1; i < t; i++)
-        if (started[i]) pthread_join(tid[i], 0);
-#endif
-    int rc = 0;
-    for (int64_t i = 0; i < t; i++)
-        if (jobs[i].rc && !rc) rc = jobs[i].rc;
-    return rc;
+    return run_jobs(run_quant, jobs, sizeof jobs[0], t);
 }
 
 /* fp32 -> bfloat16 bits, rounded to nearest even (torch's conversion); NaN -> a quiet NaN */
