@@ -2015,7 +2015,8 @@ def quant_attention_cpu_supports(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_r
 def quant_decode_attention_cpu(q, kq: QuantizedKV, vq: QuantizedKV, k_res, v_res, scale: float | None = None):
     """:func:`quant_decode_attention` on CPU, in one C call: the codes are unpacked in registers (a key
     is ``zero + code * scale``, so ``q . k = q . zero + (q * scale) . code`` per key group) and nothing is
-    dequantised into memory. Shapes and result as there, fp32 (:func:`quant_attention_cpu_supports`); equal
+    dequantised into memory; the ``(B, H_kv)`` pairs are split over torch's thread count (the output does
+    not depend on it). Shapes and result as there, fp32 (:func:`quant_attention_cpu_supports`); equal
     to :func:`quant_decode_attention_ref` up to the order of fp32 sums."""
     who = "quant_decode_attention_cpu"
     _check_attention_inputs(q, kq, vq, k_res, v_res, who)
