@@ -350,6 +350,19 @@ def test_attention_cpu_kernel_splits_its_pairs_over_threads(bits):
     assert_attention_close(two, quant_decode_attention_ref(q, kq, vq, kr, vr), q, kq, vq, kr, vr)
 
 
+@pytest.mark.parametrize("bits", [(1, 1), (2, 2)])
+def test_attention_cpu_kernel_at_its_largest_group_and_head_dim(bits):
+    """The vector path at the most it serves, a group of 16 queries and head_dim 256 (its accumulators
+    and per-chunk scales sized for them), against the reference."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 32, 256, generator=gen)
+    k, v = torch.randn(1, 2, 128, 256, generator=gen), torch.randn(1, 2, 128, 256, generator=gen)
+    kq, vq = quantize_pack_ref(k, bits[0], 32, "channel"), quantize_pack_ref(v, bits[1], 64, "token")
+    kr, vr = torch.randn(1, 2, 3, 256, generator=gen), torch.randn(1, 2, 3, 256, generator=gen)
+    want = quant_decode_attention_ref(q, kq, vq, kr, vr)
+    assert_attention_close(quant_decode_attention_cpu(q, kq, vq, kr, vr), want, q, kq, vq, kr, vr)
+
+
 @pytest.mark.parametrize("bits", [(1, 1), (2, 2), (1, 2)])
 def test_attention_cpu_kernel_off_the_vector_path(bits):
     """head_dim 24 (not a multiple of 16: the scalar loops) and a group of 16 queries, the most it serves."""

@@ -1555,7 +1555,7 @@ static inline __attribute__((always_inline)) void quant_pair_body(
         m[g] = max_of(sc + g * N, N);
         l[g] = exp_sum(sc + g * N, N, m[g]);
     }
-    vf acc[16 * 16];
+    vf acc[16 * (256 / VW)];  /* G <= 16 queries, D <= 256 channels */
     for (int64_t i = 0; i < G * DV; i++) acc[i] = (vf){0};
     vu lanes;
     for (int64_t i = 0; i < VW; i++) lanes[i] = (uint32_t)(i * bv);
@@ -1563,7 +1563,7 @@ static inline __attribute__((always_inline)) void quant_pair_body(
     for (int64_t t = 0; t < S; t++) {  /* pass 2: values rebuilt a token at a time, in registers */
         const uint8_t *row = a->vp + t * a->vp_s;
         const uint16_t *s16 = a->vs + t * a->vm_s, *z16 = a->vz + t * a->vm_s;
-        vf s[16], z[16];
+        vf s[256 / VW], z[256 / VW];
         if (gv % VW == 0) {
             for (int64_t c = 0; c < DV; c++) { s[c] = (vf){0} + h2f(s16 + c * VW / gv); z[c] = (vf){0} + h2f(z16 + c * VW / gv); }
         } else {
