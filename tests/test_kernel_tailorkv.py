@@ -329,15 +329,21 @@ def test_attention_cpu_kernel_matches_ref(p: QuantAttentionProblem):
     assert_attention_close(out, quant_decode_attention_ref(q, kq, vq, k_res, v_res), q, kq, vq, k_res, v_res)
 
 
+def quant_case(seed, B, H_q, H_kv, S, D, R, bits, k_group, v_group):
+    """``(q, kq, vq, k_res, v_res)`` of random fp32 values: the codes packed by the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H_q, D, generator=gen)
+    k, v = torch.randn(B, H_kv, S, D, generator=gen), torch.randn(B, H_kv, S, D, generator=gen)
+    kq, vq = quantize_pack_ref(k, bits[0], k_group, "channel"), quantize_pack_ref(v, bits[1], v_group, "token")
+    kr, vr = torch.randn(B, H_kv, R, D, generator=gen), torch.randn(B, H_kv, R, D, generator=gen)
+    return q, kq, vq, kr, vr
+
+
 @pytest.mark.parametrize("bits", [(1, 1), (2, 1)])
 def test_attention_cpu_kernel_splits_its_pairs_over_threads(bits):
     """Enough (row, head) pairs and tokens for the C kernel to split them over two threads: the same output
     as one thread, bit for bit (a pair is one thread's work), and the reference's."""
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 6, 64, generator=gen)
-    k, v = torch.randn(2, 2, 4096, 64, generator=gen), torch.randn(2, 2, 4096, 64, generator=gen)
-    kq, vq = quantize_pack_ref(k, bits[0], 64, "channel"), quantize_pack_ref(v, bits[1], 64, "token")
-    kr, vr = torch.randn(2, 2, 7, 64, generator=gen), torch.randn(2, 2, 7, 64, generator=gen)
+    q, kq, vq, kr, vr = quant_case(5, 2, 6, 2, 4096, 64, 7, bits, 64, 64)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -354,11 +360,7 @@ def test_attention_cpu_kernel_splits_its_pairs_over_threads(bits):
 def test_attention_cpu_kernel_at_its_largest_group_and_head_dim(bits):
     """The vector path at the most it serves, a group of 16 queries and head_dim 256 (its accumulators
     and per-chunk scales sized for them), against the reference."""
-    gen = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 32, 256, generator=gen)
-    k, v = torch.randn(1, 2, 128, 256, generator=gen), torch.randn(1, 2, 128, 256, generator=gen)
-    kq, vq = quantize_pack_ref(k, bits[0], 32, "channel"), quantize_pack_ref(v, bits[1], 64, "token")
-    kr, vr = torch.randn(1, 2, 3, 256, generator=gen), torch.randn(1, 2, 3, 256, generator=gen)
+    q, kq, vq, kr, vr = quant_case(3, 1, 32, 2, 128, 256, 3, bits, 32, 64)
     want = quant_decode_attention_ref(q, kq, vq, kr, vr)
     assert_attention_close(quant_decode_attention_cpu(q, kq, vq, kr, vr), want, q, kq, vq, kr, vr)
 
@@ -366,11 +368,7 @@ def test_attention_cpu_kernel_at_its_largest_group_and_head_dim(bits):
 @pytest.mark.parametrize("bits", [(1, 1), (2, 2), (1, 2)])
 def test_attention_cpu_kernel_off_the_vector_path(bits):
     """head_dim 24 (not a multiple of 16: the scalar loops) and a group of 16 queries, the most it serves."""
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 32, 24, generator=gen)
-    k, v = torch.randn(1, 2, 48, 24, generator=gen), torch.randn(1, 2, 48, 24, generator=gen)
-    kq, vq = quantize_pack_ref(k, bits[0], 8, "channel"), quantize_pack_ref(v, bits[1], 8, "token")
-    kr, vr = torch.randn(1, 2, 5, 24, generator=gen), torch.randn(1, 2, 5, 24, generator=gen)
+    q, kq, vq, kr, vr = quant_case(2, 1, 32, 2, 48, 24, 5, bits, 8, 8)
     want = quant_decode_attention_ref(q, kq, vq, kr, vr)
     assert_attention_close(quant_decode_attention_cpu(q, kq, vq, kr, vr), want, q, kq, vq, kr, vr)
     assert not quant_attention_cpu_supports(torch.randn(1, 34, 24), kq, vq, kr, vr)  # a group of 17
