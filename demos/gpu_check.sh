@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the kvpass kernels, in well under 8 minutes.
+# GPU check for the kvpass kernels and CUDA graphs; each step has a timeout (330, 90, 120, 240 s on CUDA).
 #
 # On a CUDA machine:
 #   1. every kernel test file (TESTS below) with the real Triton kernels (TRITON_INTERPRET=0;
@@ -18,8 +18,13 @@
 #      The *errors tests (argument checks on CPU tensors, and that a CPU tensor is refused without
 #      the interpreter) run without the plugin, under the interpreter.
 #   2. python -m kvpass.bench.kernels --device cuda (timings, bandwidth against the device's peak).
-# Without CUDA: the kernel tests under the Triton interpreter and the quick CPU benchmark (one thread:
-# with two threads on a busy 2-core machine, OpenMP waits turn timings into multiples of ~8 ms).
+#   3. python -m kvpass.bench.cudagraphs --device cuda: torch.compile(..., mode="reduce-overhead") (CUDA
+#      graphs, captured between the kvpass ops) for Full, Quest and ClusterKV on a random 4-layer Llama:
+#      the same greedy tokens as the default mode, CUDA graphs recorded, none in the steady half of the
+#      decode, and each mode's ms/token.
+# Without CUDA: the kernel tests under the Triton interpreter, the quick CPU benchmark (one thread:
+# with two threads on a busy 2-core machine, OpenMP waits turn timings into multiples of ~8 ms) and the
+# CUDA graphs check on the CPU (Inductor skips the graphs there: it shows the mode reaches Inductor).
 #
 # Usage, from the repository root of a checkout whose venv is .venv:  demos/gpu_check.sh
 # (PYTHON=/path/to/python overrides the interpreter).
@@ -171,7 +176,7 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     plugdir="$(mktemp -d)"
     trap 'rm -rf "$plugdir"' EXIT
     write_plugin "$plugdir"
-    echo "== 1/2 kernel tests, compiled Triton on CUDA (TRITON_INTERPRET=0, hypothesis profile ci)"
+    echo "== 1/3 kernel tests, compiled Triton on CUDA (TRITON_INTERPRET=0, hypothesis profile ci)"
     pids=()
     for i in "${!TESTS[@]}"; do
         PYTHONPATH="$plugdir${PYTHONPATH:+:$PYTHONPATH}" KVPASS_LAUNCH_COUNTS="$plugdir/counts$i.json" \
@@ -206,15 +211,19 @@ PYEOF
     # the interpreter, and some then set TRITON_INTERPRET=0 themselves to see a CPU tensor refused
     echo "== argument-check tests (-k errors), Triton interpreter, no plugin"
     TRITON_INTERPRET=1 timeout 90 "$PY" -m pytest -q -p no:cacheprovider -k errors "${TESTS[@]}" || status=$?
-    echo "== 2/2 kernel benchmark (CUDA)"
+    echo "== 2/3 kernel benchmark (CUDA)"
     timeout 120 "$PY" -m kvpass.bench.kernels --device cuda || status=$?
+    echo "== 3/3 CUDA graphs: mode='reduce-overhead' with Full, Quest, ClusterKV"
+    timeout 240 "$PY" -m kvpass.bench.cudagraphs --device cuda || status=$?
 else
     export TRITON_INTERPRET=1
     echo "no CUDA device: kernel tests under the Triton interpreter, quick CPU benchmark"
-    echo "== 1/2 kernel tests, Triton interpreter (TRITON_INTERPRET=1, hypothesis profile ci)"
+    echo "== 1/3 kernel tests, Triton interpreter (TRITON_INTERPRET=1, hypothesis profile ci)"
     timeout 600 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" || status=$?
-    echo "== 2/2 kernel benchmark (CPU, quick)"
+    echo "== 2/3 kernel benchmark (CPU, quick)"
     timeout 60 "$PY" -m kvpass.bench.kernels --device cpu --quick --threads 1 || status=$?
+    echo "== 3/3 CUDA graphs check on the CPU (the mode reaches Inductor, which skips the graphs)"
+    timeout 300 "$PY" -m kvpass.bench.cudagraphs --device cpu || status=$?
 fi
 echo "gpu_check: exit status $status, $((SECONDS - start)) s"
 exit "$status"

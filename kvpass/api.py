@@ -147,15 +147,21 @@ class KVPassBackend:
                               f"cache: {eager}. Fix: {fix}")
 
     # -- dynamo backend protocol -----------------------------------------------------------------
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 options: dict[str, Any] | None = None):
+        """Compile ``gm`` with Inductor and the kvpass pass. ``mode`` and ``options`` are what
+        ``torch.compile(..., backend=this, mode=..., options=...)`` passes on: Inductor's (``mode=
+        "reduce-overhead"`` turns CUDA graphs on, captured between the sites, docs/design.md, "CUDA
+        graphs: captured between the sites"); kvpass's own options go to ``kvpass(policy, ...)``."""
         from kvpass.lowering import graph_cache
 
         from kvpass.tp import key_shards
 
+        inductor = inductor_patches(mode, options)
         self._key_shards = key_shards(gm)  # read by the pass (report() names each rank's KV heads)
         key = graph_cache.graph_key(self._pass.uuid(), gm) if self.cache else None
         seen = len(self.graphs)
-        compiled = self._compile(gm, example_inputs, cached=self.cache)
+        compiled = self._compile(gm, example_inputs, cached=self.cache, inductor=inductor)
         if self.cache:
             if len(self.graphs) > seen:
                 graph_cache.save(key, self.graphs[seen:])
@@ -163,7 +169,7 @@ class KVPassBackend:
                 # Inductor served the graph from its cache but kvpass has no record of what the pass
                 # found there (a cache directory written without it, or site ids that clash with
                 # this backend's): compile again with the caches off, so that the pass runs.
-                compiled = self._compile(gm, example_inputs, cached=False)
+                compiled = self._compile(gm, example_inputs, cached=False, inductor=inductor)
                 if len(self.graphs) > seen:
                     graph_cache.save(key, self.graphs[seen:])
         # Raised here rather than inside the pass, so that Inductor does not wrap the error.
@@ -225,10 +231,11 @@ class KVPassBackend:
             self._off_warned = True
             warnings.warn(msg, stacklevel=3)
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, cached: bool):
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *, cached: bool,
+                 inductor: dict[str, Any] | None = None):
         from torch._inductor.compile_fx import compile_fx
 
-        patches: dict[str, Any] = {"post_grad_custom_post_pass": self._pass}
+        patches: dict[str, Any] = {**(inductor or {}), "post_grad_custom_post_pass": self._pass}
         if not cached:
             # Off, the FX graph cache also turns the AOTAutograd cache off (it stores FX graph keys).
             patches["fx_graph_cache"] = False
@@ -457,13 +464,49 @@ def _check_option_names(options: dict, valid: tuple[str, ...], where: str) -> No
     raise TypeError(f"kvpass: unknown option(s) {unknown} for {where}; expected: {', '.join(valid)}{hint}")
 
 
+def inductor_patches(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Inductor's config for ``torch.compile``'s ``mode`` and ``options`` (as its own backend reads them:
+    ``torch._inductor.list_mode_options``, then the options, which win). The pass's own hook is not
+    an option: kvpass installs it. Raises a KVPassError naming an unknown mode or option."""
+    import torch._inductor
+    import torch._inductor.config as config
+
+    patches: dict[str, Any] = {}
+    if mode is not None and mode != "default":
+        modes = torch._inductor.list_mode_options()
+        if mode not in modes:
+            raise KVPassError(f"kvpass: unknown mode {mode!r} for torch.compile; Inductor's modes: "
+                              f"{', '.join(modes)}")
+        patches.update(torch._inductor.list_mode_options(mode))
+    if options:
+        if not isinstance(options, dict):
+            raise KVPassError(f"kvpass: torch.compile's options must be a dict of Inductor options, got "
+                              f"{type(options).__name__}")
+        known = config.get_config_copy()
+        unknown = sorted(str(k) for k in options if k not in known)
+        ours = [k for k in unknown if k in OPTIONS or k == "policy"]
+        if ours:
+            raise KVPassError(f"kvpass: {', '.join(ours)} is an option of kvpass(policy, ...), not of "
+                              f"torch.compile: pass kvpass({ours[0]}=...) (torch.compile's options go to "
+                              "Inductor)")
+        if unknown:
+            hints = [f"{near[0]!r} for {k!r}" for k in unknown
+                     if (near := difflib.get_close_matches(k, list(known), n=1, cutoff=0.8))]
+            raise KVPassError(f"kvpass: unknown Inductor option(s) {unknown} in torch.compile's options"
+                              + (f"; did you mean {', '.join(hints)}?" if hints else ""))
+        if "post_grad_custom_post_pass" in options:
+            raise KVPassError("kvpass: post_grad_custom_post_pass is where kvpass installs its graph pass; "
+                              "compile with Inductor's own backend for a pass of your own")
+        patches.update(options)
+    return patches
+
+
 def kvpass_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
     """The ``torch_dynamo_backends`` entry point: ``torch.compile(m, backend="kvpass",
     options={"policy": Quest(budget=1024)})``. The backend is built on the first graph and kept in
     ``options["backend"]`` so that every graph of that torch.compile call shares one runtime (read
-    ``options["backend"].report()`` afterwards)."""
-    if mode is not None:
-        raise KVPassError(f"kvpass: torch.compile(backend='kvpass') takes no mode, got mode={mode!r}")
+    ``options["backend"].report()`` afterwards). ``mode`` goes to Inductor, as with a backend instance
+    (``mode="reduce-overhead"``: CUDA graphs between the sites)."""
     # torch.compile (torch 2.13) only stores options; the backend first sees them here, at the first
     # graph, and dynamo wraps what it raises in BackendCompilerFailed, whose text carries our message.
     options = {} if options is None else options
@@ -488,6 +531,6 @@ def kvpass_backend(gm, example_inputs, options: dict | None = None, mode: str | 
             f"built, got {type(backend).__name__}: {backend!r}; pass options={{'policy': ...}} (or "
             f"torch.compile(model, backend=kvpass(policy)))"
         )
-    return backend(gm, example_inputs)
+    return backend(gm, example_inputs, mode=mode)
 
 

@@ -23,9 +23,14 @@ IMPLS: dict[str, Callable] = {}  # "kvpass::name" -> the Python function (what b
 
 
 def _op(fn: Callable) -> Callable:
-    """Define ``kvpass::<fn.__name__>`` from ``fn``'s annotations (it mutates none of its arguments)."""
+    """Define ``kvpass::<fn.__name__>`` from ``fn``'s annotations (it mutates none of its arguments).
+
+    Every op is tagged ``cudagraph_unsafe``: it runs the runtime's Python (positions and counters in
+    Python ints), which a CUDA graph's replay would skip, replaying the step it captured. Under
+    ``mode="reduce-overhead"`` Inductor's graph partition therefore runs the ops between captured
+    graphs (docs/design.md, "CUDA graphs: captured between the sites")."""
     name = fn.__name__
-    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.cudagraph_unsafe,))
     _LIB.impl(name, fn, "CompositeExplicitAutograd")
     IMPLS["kvpass::" + name] = fn
     return fn
