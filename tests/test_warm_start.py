@@ -104,7 +104,8 @@ def test_stale_cache_without_records_compiles_again(tmp_path, monkeypatch):
     monkeypatch.setattr(graph_cache, "restore", lambda key, backend: False)
     calls = []
     real = be._compile
-    monkeypatch.setattr(be, "_compile", lambda gm, ex, cached: calls.append(cached) or real(gm, ex, cached=cached))
+    monkeypatch.setattr(be, "_compile", lambda gm, ex, cached, **kw: calls.append(cached)
+                        or real(gm, ex, cached=cached, **kw))
     record, swallowed = be._record_graph, []
     # the pass appears not to run the first time, as on a cache hit
     monkeypatch.setattr(be, "_record_graph", lambda *a: record(*a) if swallowed else swallowed.append(a))
