@@ -217,7 +217,7 @@ PYEOF
     timeout 240 "$PY" -m kvpass.bench.cudagraphs --device cuda || status=$?
 else
     export TRITON_INTERPRET=1
-    echo "no CUDA device: kernel tests under the Triton interpreter, quick CPU benchmark"
+    echo "no CUDA device: kernel tests under the Triton interpreter, quick CPU benchmark, CUDA graphs check on the CPU"
     echo "== 1/3 kernel tests, Triton interpreter (TRITON_INTERPRET=1, hypothesis profile ci)"
     timeout 600 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" || status=$?
     echo "== 2/3 kernel benchmark (CPU, quick)"

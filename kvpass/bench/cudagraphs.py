@@ -64,15 +64,19 @@ def graphs_recorded(device: torch.device) -> int:
     return n
 
 
-class _Counts:
+def _counts(device: torch.device):
     """A stopping criterion that never stops: it records the graphs recorded after each step."""
+    from transformers import StoppingCriteria
 
-    def __init__(self, device: torch.device):
-        self.device, self.after = device, []
+    class Counts(StoppingCriteria):
+        def __init__(self):
+            self.device, self.after = device, []
 
-    def __call__(self, input_ids, scores, **kwargs):
-        self.after.append(graphs_recorded(self.device))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        def __call__(self, input_ids, scores, **kwargs):
+            self.after.append(graphs_recorded(self.device))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Counts()
 
 
 def decode(model, ids, steps: int, policy, mode: str | None) -> dict:
@@ -87,7 +91,7 @@ def decode(model, ids, steps: int, policy, mode: str | None) -> dict:
         backend = kvpass(policy, strict=True)
         model.forward = torch.compile(fwd, backend=backend, dynamic=True, mode=mode)
     skips = counters["inductor"]["cudagraph_skips"]
-    counts = _Counts(ids.device)
+    counts = _counts(ids.device)
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     try:
         with torch.no_grad():
