@@ -85,12 +85,10 @@ def decode(model, ids, steps: int, policy, mode: str | None) -> dict:
     from torch._dynamo.utils import counters
     from transformers import StoppingCriteriaList
 
-    backend = None
     fwd = model.forward
     if policy is not None:
-        backend = kvpass(policy, strict=True)
-        model.forward = torch.compile(fwd, backend=backend, dynamic=True, mode=mode)
-    skips = counters["inductor"]["cudagraph_skips"]
+        model.forward = torch.compile(fwd, backend=kvpass(policy, strict=True), dynamic=True, mode=mode)
+    skips, before = counters["inductor"]["cudagraph_skips"], graphs_recorded(ids.device)
     counts = _counts(ids.device)
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     try:
@@ -106,8 +104,8 @@ def decode(model, ids, steps: int, policy, mode: str | None) -> dict:
         model.forward = fwd
         torch._dynamo.reset()
     return {"tokens": out[0, ids.shape[1]:].tolist(), "again": again[0, ids.shape[1]:].tolist(), "ms": ms,
-            "graphs": counts.after, "skips": counters["inductor"]["cudagraph_skips"] - skips,
-            "report": backend.report() if backend is not None else ""}
+            "graphs": [n - before for n in counts.after],
+            "skips": counters["inductor"]["cudagraph_skips"] - skips}
 
 
 def check(device: str, names: list[str], steps: int) -> list[str]:
