@@ -259,3 +259,38 @@ def test_floor_interpolates_between_measured_contexts():
     assert dc.floor_of(row(6144), rows)[0] == pytest.approx(280.0)
     assert dc.floor_of(row(20000), rows) == (400.0, "8192")
     assert dc.floor_of({**row(1024), "batch": 2}, rows) == (None, None)
+
+
+def test_targets_say_met_or_by_how_much_they_are_missed():
+    """The page's targets table against figures worked by hand: the floor (Full over the attended tokens), Full
+    where the budget covers the context, the 32k speed-up and Full against eager HF; a cell below 0.9x its floor
+    is no verdict, and a cell not measured gives no line."""
+    def r(policy, name, ctx, batch, ms, attended=None, budget=None, kind="kvpass"):
+        return {"policy": policy, "policy_name": name, "context": ctx, "batch": batch, "threads": 1, "model": "m",
+                "ms_per_token": ms, "attended_per_site": attended if attended is not None else ctx,
+                "budget": budget, "kind": kind}
+
+    rows = [r("Full()", "Full", 1024, 1, 30.0), r("Full()", "Full", 8192, 1, 50.0), r("Full()", "Full", 32768, 1, 105.0),
+            r("Full()", "Full", 1024, 8, 100.0), r("Full()", "Full", 8192, 8, 250.0),
+            r("eager", "eager HF", 8192, 8, 1000.0, kind="eager"),
+            r("Q()", "Quest", 8192, 1, 34.5, 1024, 1024), r("Q()", "Quest", 8192, 8, 140.0, 1024, 1024),
+            r("Q()", "Quest", 1024, 1, 31.2, 1024, 1024),
+            r("C()", "ClusterKV", 8192, 1, 31.5, 1024, 1024), r("C()", "ClusterKV", 8192, 8, 80.0, 1024, 1024),
+            r("C()", "ClusterKV", 1024, 1, 33.0, 1024, 1024), r("C()", "ClusterKV", 32768, 1, 34.0, 1024, 1024),
+            r("C0()", "ClusterKV dense_layers=()", 32768, 1, 42.0, 1024, 1024),
+            r("K()", "CentroidKV ratio=0.25", 1024, 1, 40.0, 256)]  # no budget: no "covers" line
+    lines = dc.targets_table(rows, dc._index(rows), rows, 8192)
+    got = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: line.rsplit("|", 2)[1].strip()
+           for line in lines[2:]}
+    assert got == {
+        ("context 8192, batch 1: × floor", "Quest 1024"): "missed by 5 %",  # 34.5 / 30 = 1.15 over 1.10
+        ("context 8192, batch 1: × floor", "ClusterKV 1024"): "met",  # 1.05
+        ("context 8192, batch 8: × floor", "Quest 1024"): "missed by 12 %",  # 1.40 / 1.25
+        ("context 8192, batch 8: × floor", "ClusterKV 1024"): "‡ not a measurement",  # 0.80 of its floor
+        ("context 1024, budget covers it: × Full", "Quest 1024"): "met",  # 1.04
+        ("context 1024, budget covers it: × Full", "ClusterKV 1024"): "missed by 5 %",  # 1.10 / 1.05
+        ("context 32768, batch 1: Full ÷ policy", "ClusterKV 1024"): "met",  # 105 / 34 = 3.09
+        ("context 32768, batch 1: Full ÷ policy", "ClusterKV dense_layers=() 1024"): "missed by 17 %",  # 2.5
+        ("context 8192, batch 8: × eager HF", "Full (kvpass)"): "met",  # 0.25
+    }
+    assert dc.targets_table([x for x in rows if x["policy"] == "Full()"], dc._index(rows), rows, 8192) == []
