@@ -802,13 +802,12 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
                             "Full's step over the tokens it attends, so the machine ran slower while the floor was "
                             "measured (or faster during this cell); that ratio does not measure the policy."]
             parts += sec
-            tt = targets_table(trows, idx, mrows, batch_ctx)
+            tt, bt = targets_table(trows, idx, mrows, batch_ctx), _breakdown_table(trows)
             if tt:
                 met = sum(line.endswith("| met |") for line in tt)
-                parts += ["", f"**Targets** ({met} of {len(tt) - 2} met; "
-                              "F is the floor above; attention recall and accuracy at 8k are on "
-                              "docs/results-clusterkv.md, not here; where a step's time goes: the next table)", ""] + tt
-            bt = _breakdown_table(trows)
+                parts += ["", f"**Targets** ({met} of {len(tt) - 2} met; F is the floor above; attention recall "
+                              "and accuracy at 8k are on docs/results-clusterkv.md, not here"
+                              + ("; where a step's time goes: the next table)" if bt else ")"), ""] + tt
             if bt:
                 parts += ["", "**Where a step goes** (ms per step, profiled steps)", ""] + bt
             parts.append("")
