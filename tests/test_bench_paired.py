@@ -113,6 +113,40 @@ def test_page_has_the_command_and_every_group(run, tmp_path):
         assert f"| StreamingLLM | {r['context']} | 1 | {r['vs_floor']:.2f}× |" in text
 
 
+def test_targets_from_the_groups_medians():
+    """The page's targets table from the groups' own medians, against figures worked by hand: the floor at 8k
+    (batch 1 and 8), Full where the budget covers the context, the 32k speed-up as the median of Full's step
+    over the policy's and its bound (Full over the floor); 0.9x a floor is no verdict, and a group without a
+    budget (rows of older runs) gives no "covers" line."""
+    def g(policy, name, ctx, batch, vs_floor_steps, vs_full_steps, budget=1024):
+        return {"policy": policy, "policy_name": name, "context": ctx, "batch": batch, "budget": budget,
+                "vs_floor_steps": vs_floor_steps, "vs_full_steps": vs_full_steps,
+                "vs_floor": statistics.median(vs_floor_steps), "vs_full": statistics.median(vs_full_steps)}
+
+    groups = [g("Q()", "Quest", 8192, 1, [1.12, 1.20, 1.14], [0.7] * 3),
+              g("Q()", "Quest", 8192, 8, [1.0, 1.1, 1.3], [0.5] * 3),
+              g("Q()", "Quest", 1024, 1, [1.04] * 3, [1.02, 1.04, 1.06]),
+              g("C()", "ClusterKV", 8192, 1, [1.05] * 3, [0.7] * 3),
+              g("C()", "ClusterKV", 8192, 8, [0.85] * 3, [0.5] * 3),
+              g("C()", "ClusterKV", 1024, 1, [1.08] * 3, [1.08] * 3, budget=None),
+              # Full / policy per rotation 2.5, 2.0, 4.0: median 2.5; Full / floor 1.3 / 0.4, 1.1 / 0.5,
+              # 1.2 / 0.25 = 3.25, 2.2, 4.8: median 3.25
+              g("C()", "ClusterKV", 32768, 1, [1.3, 1.1, 1.2], [0.4, 0.5, 0.25])]
+    lines = paired.paired_targets(groups)
+    got = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: line.rsplit("|", 2)[1].strip()
+           for line in lines[2:]}
+    assert got == {
+        ("context 8192, batch 1: × floor", "Quest", "1.14×"): "missed by 4 %",  # 1.14 / 1.10
+        ("context 8192, batch 1: × floor", "ClusterKV", "1.05×"): "met",
+        ("context 8192, batch 8: × floor", "Quest", "1.10×"): "met",
+        ("context 8192, batch 8: × floor", "ClusterKV", "0.85×"): "‡ not a measurement",
+        ("context 1024, budget covers it: × Full", "Quest", "1.04×"): "met",
+        ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 3.25×)", "ClusterKV", "2.50×"): "missed by 17 %",
+    }
+    assert paired.paired_targets([x for x in groups if x["batch"] == 1 and x["context"] == 1024
+                                  and x["budget"] is None]) == []
+
+
 def test_paired_needs_decode_cost():
     from kvpass.bench.cli import add_arguments, run as bench_run
 

@@ -289,8 +289,10 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
         ("context 8192, batch 8: × floor", "ClusterKV 1024"): "‡ not a measurement",  # 0.80 of its floor
         ("context 1024, budget covers it: × Full", "Quest 1024"): "met",  # 1.04
         ("context 1024, budget covers it: × Full", "ClusterKV 1024"): "missed by 5 %",  # 1.10 / 1.05
-        ("context 32768, batch 1: Full ÷ policy", "ClusterKV 1024"): "met",  # 105 / 34 = 3.09
-        ("context 32768, batch 1: Full ÷ policy", "ClusterKV dense_layers=() 1024"): "missed by 17 %",  # 2.5
+        # 105 / 34 = 3.09; the bound: Full's 32k step over its floor, Full's 1k step, 105 / 30
+        ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 3.50×)", "ClusterKV 1024"): "met",
+        ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 3.50×)", "ClusterKV dense_layers=() 1024"):
+            "missed by 17 %",  # 105 / 42 = 2.5
         ("context 8192, batch 8: × eager HF", "Full (kvpass)"): "met",  # 0.25
     }
     assert dc.targets_table([x for x in rows if x["policy"] == "Full()"], dc._index(rows), rows, 8192) == []

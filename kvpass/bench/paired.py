@@ -24,6 +24,8 @@ is inside that drift. Here the two sides of each ratio are measured a few tens o
   and warmed up on short contexts before any group (``kvpass.bench.decode_cost.warm_up``); a row counts the
   graphs compiled during its rotations (0 expected).
 - **Resumable**: rows go to ``OUT/paired_cost.jsonl`` as groups finish; a rerun skips the cells there.
+- **Targets**: the page ends each thread count with the decode-cost targets its groups measure
+  (:func:`paired_targets`); Full against eager HF stays on the decode-cost page (eager is not paired).
 
 The cells are the decode-cost page's compressed ones: every policy of ``--policies`` but Full at every
 context (``--batch-context`` included: Full runs there too) at batch 1 and at every batch at
@@ -42,13 +44,14 @@ from typing import Any
 import torch
 
 from kvpass.bench.decode_cost import (
-    _cell_kv, _decode, _now, _site_sums, bracket, check_grid, floor_at, floor_label, machine_line, page_head, prefill,
-    resume, warm_up,
+    COVERED, DISTURBED, FLOOR_AT_BATCH, FLOOR_AT_BATCH_1, LONG, _cell_kv, _decode, _now, _site_sums, bracket, check_grid,
+    floor_at, floor_label, long_bound, machine_line, page_head, prefill, resume, target_lines, targets_title,
+    warm_up,
 )
 from kvpass.bench.timing import cache_from, graph_keys_kept
 from kvpass.policies.base import Policy
 
-__all__ = ["RESULTS", "run_paired", "paired_table", "write_paired_md"]
+__all__ = ["RESULTS", "run_paired", "paired_table", "paired_targets", "write_paired_md"]
 
 RESULTS = "paired_cost.jsonl"
 
@@ -91,7 +94,7 @@ def run_paired(
     """Measure every group not yet in ``out_dir/paired_cost.jsonl`` (see the module docstring); return the
     rows of this call's cells."""
     from kvpass import kvpass
-    from kvpass.bench.runner import _append, _model_name, machine_info, policy_label
+    from kvpass.bench.runner import _append, _model_name, machine_info, policy_budget, policy_label
     from kvpass.policies.full import Full
 
     check_grid("paired decode cost", contexts, batches, steps=steps, warmup_steps=warmup_steps)
@@ -146,7 +149,7 @@ def run_paired(
                     for _, p, c, b in todo:
                         row = _group(model, runners, p, c, b, contexts, prefill_kv, first_ids, steps, warmup_steps)
                         row.update({"model": model_name, "policy": p.describe(), "policy_name": policy_label(p),
-                                    "context": int(c), "batch": int(b), "threads": int(t),
+                                    "budget": policy_budget(p), "context": int(c), "batch": int(b), "threads": int(t),
                                     "beyond_positions": c + warmup_steps + steps > max_pos,
                                     "skinny_linear": skinny_linear, "machine": machine, "command": command,
                                     "finished": _now()})
@@ -203,8 +206,38 @@ def _group(model, runners, policy, context, batch, contexts, prefill_kv, first_i
     }
 
 
+def paired_targets(sel: list[dict[str, Any]]) -> list[str]:
+    """The decode-cost targets (:func:`kvpass.bench.decode_cost.targets_table`) measured by one thread count's
+    groups ``sel``: at the batch sweep's context (the largest context with a batch above 1) a policy within
+    :data:`~kvpass.bench.decode_cost.FLOOR_AT_BATCH_1` of its floor at batch 1 and
+    :data:`~kvpass.bench.decode_cost.FLOOR_AT_BATCH` at batch 8; within
+    :data:`~kvpass.bench.decode_cost.COVERED` of Full where its budget covers the context; ClusterKV
+    :data:`~kvpass.bench.decode_cost.LONG` times faster than Full at 32k (the median over the rotations of
+    Full's step over the policy's). Each value is the group's median over its rotations; eager HF is not paired,
+    so Full against eager is not here. Groups written without a budget give no "covers" line."""
+    batch_ctx = max((r["context"] for r in sel if r["batch"] > 1), default=None)
+    order = list(dict.fromkeys(r["policy"] for r in sel))
+    checks = []
+    for b, limit in ((1, FLOOR_AT_BATCH_1), FLOOR_AT_BATCH):
+        for r in (r for p in order for r in sel if r["policy"] == p and r["context"] == batch_ctx and r["batch"] == b):
+            checks.append((f"context {batch_ctx}, batch {b}: × floor", r["policy_name"], r["vs_floor"], limit, True,
+                           r["vs_floor"] < DISTURBED))
+    for r in sorted((r for r in sel if r["batch"] == 1 and r.get("budget") and r["budget"] >= r["context"]),
+                    key=lambda r: (r["context"], order.index(r["policy"]))):
+        checks.append((f"context {r['context']}, budget covers it: × Full", r["policy_name"], r["vs_full"], COVERED,
+                       True, False))
+    long_ctx, name, speedup = LONG
+    for r in sorted((r for r in sel if r["policy_name"].startswith(name) and r["batch"] == 1
+                     and r["context"] >= long_ctx), key=lambda r: (r["context"], order.index(r["policy"]))):
+        bound = statistics.median(f / p for f, p in zip(r["vs_floor_steps"], r["vs_full_steps"]))
+        checks.append((f"context {r['context']}, batch 1: Full ÷ policy ({long_bound(bound)})", r["policy_name"],
+                       statistics.median(1 / x for x in r["vs_full_steps"]), speedup, False, False))
+    return target_lines(checks)
+
+
 def paired_table(rows: list[dict[str, Any]]) -> str:
-    """The page's tables: per model and thread count, one line per policy cell."""
+    """The page's tables: per model and thread count, one line per policy cell, then the targets those cells
+    measure (:func:`paired_targets`)."""
     parts = []
     for model in dict.fromkeys(r["model"] for r in rows):
         for t in sorted({r["threads"] for r in rows if r["model"] == model}):
@@ -221,6 +254,16 @@ def paired_table(rows: list[dict[str, Any]]) -> str:
                     r["policy_name"], str(r["context"]), str(r["batch"]), f"{r['vs_floor']:.2f}×",
                     f"{q1:.2f}–{q3:.2f}", r["floor_at"], f"{r['vs_full']:.2f}×", f"{r['policy_ms']:.1f}",
                     f"{r['floor_ms']:.1f}", str(r["graphs_compiled_timed"])]) + " |")
+            tt = paired_targets(sel)
+            if tt:
+                parts += ["", targets_title(tt, "each value the median over its group's rotations; kvpass Full "
+                                                "against eager HF is on docs/decode-cost.md, eager is not paired; "
+                                                "attention recall and accuracy at 8k are on "
+                                                "docs/results-clusterkv.md"), ""] + tt
+                if any(line.endswith("| ‡ not a measurement |") for line in tt):
+                    parts += ["", f"‡ faster than {DISTURBED}× its floor: a compressed step cannot cost much less "
+                                  "than Full's step over the tokens it attends; that ratio does not measure the "
+                                  "policy."]
             parts.append("")
     return "\n".join(parts)
 
