@@ -763,37 +763,50 @@ def long_bound(full_over_floor: float) -> str:
     return f"Full ÷ its floor {full_over_floor:.2f}×"
 
 
+def target_checks(cells: list[dict], batch_ctx: int | None) -> list[tuple]:
+    """The checks (:func:`target_lines`) of the compressed policies' targets, shared by the grid's page and
+    the paired one: ``cells`` (in the policies' order) carry ``policy``, ``label``, ``context``, ``batch``,
+    ``budget``, ``vs_floor``, ``vs_full`` (policy over Full at its context), ``speedup`` (Full over policy),
+    ``bound`` (Full over the floor) and ``disturbed``. At ``batch_ctx`` within :data:`FLOOR_AT_BATCH_1` of
+    the floor at batch 1 and :data:`FLOOR_AT_BATCH` at batch 8, within :data:`COVERED` of Full where the
+    budget covers the context, ClusterKV :data:`LONG` times faster than Full at 32k."""
+    order = list(dict.fromkeys(c["policy"] for c in cells))
+    key = lambda c: (c["context"], order.index(c["policy"]))  # noqa: E731
+    checks = []
+    for b, limit in ((1, FLOOR_AT_BATCH_1), FLOOR_AT_BATCH):
+        for c in (c for c in cells if c["context"] == batch_ctx and c["batch"] == b):
+            checks.append((f"context {batch_ctx}, batch {b}: × floor", c["label"], c["vs_floor"], limit, True,
+                           c["disturbed"]))
+    for c in sorted((c for c in cells if c["batch"] == 1 and c["budget"] and c["budget"] >= c["context"]), key=key):
+        checks.append((f"context {c['context']}, budget covers it: × Full", c["label"], c["vs_full"], COVERED, True,
+                       False))
+    long_ctx, name, speedup = LONG
+    for c in sorted((c for c in cells if c["name"].startswith(name) and c["batch"] == 1 and c["context"] >= long_ctx),
+                    key=key):
+        checks.append((f"context {c['context']}, batch 1: Full ÷ policy ({long_bound(c['bound'])})", c["label"],
+                       c["speedup"], speedup, False, False))
+    return checks
+
+
 def targets_table(trows: list[dict], idx, all_rows: list[dict], batch_ctx: int | None) -> list[str]:
     """Each target of the decode cost as a line ``| target | policy | measured | limit | verdict |`` for one
-    thread count's rows (``trows``; ``idx``/``all_rows`` as for :func:`_pivot`): a compressed policy at
-    ``batch_ctx`` within :data:`FLOOR_AT_BATCH_1` of its floor at batch 1 and :data:`FLOOR_AT_BATCH` at
-    batch 8, within :data:`COVERED` of Full where its budget covers the context, ClusterKV :data:`LONG`
-    times faster than Full at 32k, Full :data:`FULL_VS_EAGER` of eager HF. Cells not measured give no line."""
-    checks = []
+    thread count's rows (``trows``; ``idx``/``all_rows`` as for :func:`_pivot`): the compressed policies'
+    (:func:`target_checks`, from the ratios of cell medians) and Full :data:`FULL_VS_EAGER` of eager HF at
+    ``batch_ctx``, batch 8. Cells not measured give no line."""
     policies = [p for p, _ in _order(trows) if p not in (EAGER, "Full()")]
-
-    def cell(p, c, b):
-        return next((r for r in trows if r["policy"] == p and r["context"] == c and r["batch"] == b), None)
-
-    for b, limit in ((1, FLOOR_AT_BATCH_1), FLOOR_AT_BATCH):
-        for p in policies:
-            r = cell(p, batch_ctx, b)
-            if r is not None:
-                _, vs_floor, _ = _ratios(r, all_rows, idx)
-                checks.append((f"context {batch_ctx}, batch {b}: × floor", _label(r), vs_floor, limit, True,
-                               _disturbed(r, vs_floor)))
-    for r in sorted((r for r in trows if r["policy"] in policies and r["batch"] == 1 and r.get("budget")
-                     and r["budget"] >= r["context"]), key=lambda r: (r["context"], policies.index(r["policy"]))):
-        checks.append((f"context {r['context']}, budget covers it: × Full", _label(r), _ratios(r, all_rows, idx)[0],
-                       COVERED, True, False))
-    long_ctx, name, speedup = LONG
-    for r in sorted((r for r in trows if r["policy_name"].startswith(name) and r["batch"] == 1
-                     and r["context"] >= long_ctx), key=lambda r: (r["context"], policies.index(r["policy"]))):
+    cells = []
+    for r in sorted((r for r in trows if r["policy"] in policies), key=lambda r: policies.index(r["policy"])):
         vs_full, vs_floor, _ = _ratios(r, all_rows, idx)
-        checks.append((f"context {r['context']}, batch 1: Full ÷ policy ({long_bound(vs_floor / vs_full)})", _label(r),
-                       1 / vs_full, speedup, False, False))
+        cells.append({"policy": r["policy"], "name": r["policy_name"], "label": _label(r), "context": r["context"],
+                      "batch": r["batch"], "budget": r.get("budget"), "vs_floor": vs_floor, "vs_full": vs_full,
+                      "speedup": 1 / vs_full, "bound": vs_floor / vs_full, "disturbed": _disturbed(r, vs_floor)})
+    checks = target_checks(cells, batch_ctx)
     b, limit = FULL_VS_EAGER
-    full, eager = cell("Full()", batch_ctx, b), cell(EAGER, batch_ctx, b)
+
+    def cell(p):
+        return next((r for r in trows if r["policy"] == p and r["context"] == batch_ctx and r["batch"] == b), None)
+
+    full, eager = cell("Full()"), cell(EAGER)
     if full is not None and eager is not None:
         checks.append((f"context {batch_ctx}, batch {b}: × eager HF", _label(full),
                        full["ms_per_token"] / eager["ms_per_token"], limit, True, False))

@@ -44,9 +44,8 @@ from typing import Any
 import torch
 
 from kvpass.bench.decode_cost import (
-    COVERED, DISTURBED, FLOOR_AT_BATCH, FLOOR_AT_BATCH_1, LONG, _cell_kv, _decode, _now, _site_sums, bracket, check_grid,
-    floor_at, floor_label, long_bound, machine_line, page_head, prefill, resume, target_lines, targets_title,
-    warm_up,
+    DISTURBED, _cell_kv, _decode, _now, _site_sums, bracket, check_grid, floor_at, floor_label, machine_line, page_head,
+    prefill, resume, target_checks, target_lines, targets_title, warm_up,
 )
 from kvpass.bench.timing import cache_from, graph_keys_kept
 from kvpass.policies.base import Policy
@@ -207,32 +206,19 @@ def _group(model, runners, policy, context, batch, contexts, prefill_kv, first_i
 
 
 def paired_targets(sel: list[dict[str, Any]]) -> list[str]:
-    """The decode-cost targets (:func:`kvpass.bench.decode_cost.targets_table`) measured by one thread count's
-    groups ``sel``: at the batch sweep's context (the largest context with a batch above 1) a policy within
-    :data:`~kvpass.bench.decode_cost.FLOOR_AT_BATCH_1` of its floor at batch 1 and
-    :data:`~kvpass.bench.decode_cost.FLOOR_AT_BATCH` at batch 8; within
-    :data:`~kvpass.bench.decode_cost.COVERED` of Full where its budget covers the context; ClusterKV
-    :data:`~kvpass.bench.decode_cost.LONG` times faster than Full at 32k (the median over the rotations of
-    Full's step over the policy's). Each value is the group's median over its rotations; eager HF is not paired,
-    so Full against eager is not here. Groups written without a budget give no "covers" line."""
+    """The decode-cost targets (:func:`kvpass.bench.decode_cost.target_checks`) measured by one thread
+    count's groups ``sel``, the batch sweep's context being the largest with a batch above 1. Each value is
+    the group's median over its rotations (the 32k speed-up: of Full's step over the policy's); eager HF is
+    not paired, so Full against eager is not here. Groups written without a budget give no "covers" line."""
     batch_ctx = max((r["context"] for r in sel if r["batch"] > 1), default=None)
     order = list(dict.fromkeys(r["policy"] for r in sel))
-    checks = []
-    for b, limit in ((1, FLOOR_AT_BATCH_1), FLOOR_AT_BATCH):
-        for r in (r for p in order for r in sel if r["policy"] == p and r["context"] == batch_ctx and r["batch"] == b):
-            checks.append((f"context {batch_ctx}, batch {b}: × floor", r["policy_name"], r["vs_floor"], limit, True,
-                           r["vs_floor"] < DISTURBED))
-    for r in sorted((r for r in sel if r["batch"] == 1 and r.get("budget") and r["budget"] >= r["context"]),
-                    key=lambda r: (r["context"], order.index(r["policy"]))):
-        checks.append((f"context {r['context']}, budget covers it: × Full", r["policy_name"], r["vs_full"], COVERED,
-                       True, False))
-    long_ctx, name, speedup = LONG
-    for r in sorted((r for r in sel if r["policy_name"].startswith(name) and r["batch"] == 1
-                     and r["context"] >= long_ctx), key=lambda r: (r["context"], order.index(r["policy"]))):
-        bound = statistics.median(f / p for f, p in zip(r["vs_floor_steps"], r["vs_full_steps"]))
-        checks.append((f"context {r['context']}, batch 1: Full ÷ policy ({long_bound(bound)})", r["policy_name"],
-                       statistics.median(1 / x for x in r["vs_full_steps"]), speedup, False, False))
-    return target_lines(checks)
+    cells = [{"policy": r["policy"], "name": r["policy_name"], "label": r["policy_name"], "context": r["context"],
+              "batch": r["batch"], "budget": r.get("budget"), "vs_floor": r["vs_floor"], "vs_full": r["vs_full"],
+              "speedup": statistics.median(1 / x for x in r["vs_full_steps"]),
+              "bound": statistics.median(f / p for f, p in zip(r["vs_floor_steps"], r["vs_full_steps"])),
+              "disturbed": r["vs_floor"] < DISTURBED}
+             for r in sorted(sel, key=lambda r: order.index(r["policy"]))]
+    return target_lines(target_checks(cells, batch_ctx))
 
 
 def paired_table(rows: list[dict[str, Any]]) -> str:
