@@ -10,6 +10,7 @@ time while two other test processes shared the 2 cores).
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -82,10 +83,12 @@ def test_rows_for_every_policy_and_eager(run):
     # the cache past the 256 positions is the prefill's K/V repeated
     long = [r for r in rows if r["context"] == 320]
     assert all(r["repeated"] and r["beyond_positions"] and r["prefill_tokens"] == 256 for r in long)
-    # eager and Full attend every token at every layer (2 layers, context + warm-up + timed steps at most)
+    # a cell starts from its context less its 2 dropped and 2 timed steps: its last timed step attends the
+    # context; eager and Full attend every token at every layer
+    assert all(r["start_tokens"] == r["context"] - 4 for r in rows)
     for r in rows:
         if r["policy"] in ("eager", "Full()"):
-            assert r["context"] <= r["attended_per_site"] <= r["context"] + 4
+            assert r["attended_per_site"] == r["context"]
             assert r["bytes"]["kv"] == r["tokens_attended"] * 2 * 2 * 16 * 4 * r["batch"]
 
 
@@ -116,6 +119,16 @@ def test_resume_skips_finished_cells(run):
         if key in done:
             assert r["finished"] == done[key]  # the row from the file, not a new measurement
     assert sorted((r["policy"], r["batch"]) for r in rows[n_first:]) == [("Full()", 2), ("eager", 2)]
+
+
+def test_resume_refuses_rows_that_started_from_their_context(run, model, tokenizer, tmp_path):
+    """Rows written before a cell ended at its context (no ``start_tokens``) measured other caches: a rerun into
+    their folder is refused rather than put beside them on one page."""
+    _, _, rows, _ = run
+    old = {k: v for k, v in rows[0].items() if k != "start_tokens"}
+    (tmp_path / dc.RESULTS).write_text(json.dumps(old) + "\n")
+    with pytest.raises(ValueError, match="cells started from their context .* its own --out"):
+        dc.run_decode_cost(model, tokenizer, [], CONTEXTS, [1], tmp_path, **KW)
 
 
 def test_rounds_merge_to_the_median_of_round_medians(run):
@@ -231,6 +244,7 @@ def test_page_has_command_tables_plots_and_the_window_note(run, tmp_path):
     text = page.read_text()
     assert "```bash\nkvpass bench --decode-cost --model tiny\n" in text
     assert "Past the trained window" in text and "256 positions" in text and "320" in text
+    assert "starts from C minus its dropped and timed steps tokens, so that its last timed step attends C" in text
     assert "By context, batch 1" in text and "By batch, context 64" in text and "Where a step goes" in text
     assert "CPU decode kernels: C (kvpass.kernels.native)" in text  # which CPU path the rows measured
     for name in ("tiny_ms_vs_context.png", "tiny_ms_vs_batch.png", "tiny_breakdown.png"):
@@ -265,10 +279,12 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
     """The page's targets table against figures worked by hand: the floor (Full over the attended tokens), Full
     where the budget covers the context, the 32k speed-up and Full against eager HF; a cell below 0.9x its floor
     is no verdict, and a cell not measured gives no line."""
-    def r(policy, name, ctx, batch, ms, attended=None, budget=None, kind="kvpass"):
+    def r(policy, name, ctx, batch, ms, attended=None, budget=None, kind="kvpass", old=False):
+        # an old row started from its context: its last timed step held the context + 2 + 4 tokens
+        when = {"warmup_steps": 2, "steps": 4} if old else {"start_tokens": ctx - 6}
         return {"policy": policy, "policy_name": name, "context": ctx, "batch": batch, "threads": 1, "model": "m",
                 "ms_per_token": ms, "attended_per_site": attended if attended is not None else ctx,
-                "budget": budget, "kind": kind}
+                "budget": budget, "kind": kind, **when}
 
     rows = [r("Full()", "Full", 1024, 1, 30.0), r("Full()", "Full", 8192, 1, 50.0), r("Full()", "Full", 32768, 1, 105.0),
             r("Full()", "Full", 1024, 8, 100.0), r("Full()", "Full", 8192, 8, 250.0),
@@ -278,7 +294,8 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
             r("C()", "ClusterKV", 8192, 1, 31.5, 1024, 1024), r("C()", "ClusterKV", 8192, 8, 80.0, 1024, 1024),
             r("C()", "ClusterKV", 1024, 1, 33.0, 1024, 1024), r("C()", "ClusterKV", 32768, 1, 34.0, 1024, 1024),
             r("C0()", "ClusterKV dense_layers=()", 32768, 1, 42.0, 1024, 1024),
-            r("K()", "CentroidKV ratio=0.25", 1024, 1, 40.0, 256)]  # no budget: no "covers" line
+            r("K()", "CentroidKV ratio=0.25", 1024, 1, 40.0, 256),  # no budget: no "covers" line
+            r("S()", "StreamingLLM", 1024, 1, 36.0, 1024, 1024, old=True)]
     lines = dc.targets_table(rows, dc._index(rows), rows, 8192)
     got = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: line.rsplit("|", 2)[1].strip()
            for line in lines[2:]}
@@ -289,6 +306,8 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
         ("context 8192, batch 8: × floor", "ClusterKV 1024"): "‡ not a measurement",  # 0.80 of its floor
         ("context 1024, budget covers it: × Full", "Quest 1024"): "met",  # 1.04
         ("context 1024, budget covers it: × Full", "ClusterKV 1024"): "missed by 5 %",  # 1.10 / 1.05
+        # 1.20 over 1.05, but its timed steps ran past the budget: they selected
+        ("context 1024, budget covers it: × Full", "StreamingLLM 1024"): "not covering: the cache reached 1030 tokens",
         # 105 / 34 = 3.09; the bound: Full's 32k step over its floor, Full's 1k step, 105 / 30
         ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 3.50×)", "ClusterKV 1024"): "met",
         ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 3.50×)", "ClusterKV dense_layers=() 1024"):

@@ -17,7 +17,9 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   prose with the model's own forward. A context up to that length takes the prefix of its keys and values
   (a causal prefill of the prefix gives the same); a longer one repeats them along the sequence (positions
   continue past the model's trained window, which RoPE accepts: those columns measure speed only); a batch
-  of B is B copies of the row. Each cell puts the tensors into a fresh ``DynamicCache``
+  of B is B copies of the row. A cell of context C starts from C minus its dropped and timed steps tokens
+  (:func:`start_tokens`), so that its last timed step attends C tokens and a budget of C covers every
+  step. Each cell puts the tensors into a fresh ``DynamicCache``
   (``cache.update(k, v, layer)``) and decodes greedily with a hand loop
   ``out = fwd(input_ids=ids, past_key_values=cache, use_cache=True)`` under ``torch.no_grad()``.
 - **Time**: ``--warmup-steps`` steps are dropped (the policy adopts the real cache at its first step and
@@ -226,6 +228,27 @@ def _cell_kv(prefill_kv, context: int, batch: int) -> list[tuple[torch.Tensor, t
     return out
 
 
+def start_tokens(context: int, warmup_steps: int, steps: int) -> int:
+    """The tokens a cell of ``context`` starts from: each of its dropped and timed steps adds one, so that its
+    last timed step attends ``context`` tokens (a budget of ``context`` covers every step of the cell)."""
+    return context - warmup_steps - steps
+
+
+def last_tokens(row: dict) -> int:
+    """The tokens the cache held at a row's last timed step: its context; rows written before the cells ended at
+    their context (no ``start_tokens``) started from it and went on for their dropped and timed steps."""
+    return row["context"] if "start_tokens" in row else row["context"] + row["warmup_steps"] + row["steps"]
+
+
+def context_sentence(rows: list[dict]) -> str:
+    """What a page's context C means for the cache of its ``rows``' cells (:func:`last_tokens`)."""
+    if all("start_tokens" in r for r in rows):
+        return ("A cell of context C starts from C minus its dropped and timed steps tokens, so that its last timed "
+                "step attends C tokens (a budget of C covers every step of the cell).")
+    return ("A cell of context C starts from C tokens and each of its dropped and timed steps adds one (these rows "
+            "were written before the cells ended at their context: a budget of C does not cover their steps).")
+
+
 def _site_sums(backend) -> dict[str, Any]:
     rows = [r for r in backend.report_rows() if "reason" not in r]
     return {
@@ -314,6 +337,9 @@ def resume(path: Path, plan: list, threads: list[int], key_of, skinny_linear: bo
     from kvpass.bench.runner import load_results
 
     existing = {cell_key(r): r for r in load_results(path)}
+    if any("start_tokens" not in r for r in existing.values()):
+        raise ValueError(f"kvpass: {path} holds rows whose cells started from their context (written before a "
+                         "cell's last timed step ended at it); give this run its own --out")
     if any(r.get("skinny_linear", True) != skinny_linear for r in existing.values()):
         raise ValueError(f"kvpass: {path} holds rows measured with skinny_linear={not skinny_linear}; give "
                          f"skinny_linear={skinny_linear} (--no-skinny-linear) its own --out")
@@ -447,7 +473,8 @@ def run_decode_cost(
                             _, p, c, b = cell
                             backend, fwd, _ = runners[gk]
                             profiled = rnd == rounds - 1 and c == batch_context and b in profile_batches
-                            parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids(c, b),
+                            ids = first_ids(start_tokens(c, warmup_steps, steps), b)
+                            parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, ids,
                                                          steps=steps, warmup_steps=warmup_steps,
                                                          profile_steps=profile_steps if profiled else 0,
                                                          per_token=per_token, n_layers=n_layers))
@@ -464,8 +491,9 @@ def run_decode_cost(
                             "kind": EAGER if p == EAGER else "kvpass",
                             "budget": None if p == EAGER else policy_budget(p),
                             "context": int(c), "batch": int(b), "threads": int(t),
-                            "prefill_tokens": prefill_len, "repeated": c > prefill_len,
-                            "max_positions": max_pos, "beyond_positions": c + warmup_steps + steps > max_pos,
+                            "prefill_tokens": prefill_len,
+                            "repeated": start_tokens(c, warmup_steps, steps) > prefill_len,
+                            "max_positions": max_pos, "beyond_positions": c > max_pos,
                             "prefill_s": prefill_s, "compile_s": compile_s, "kv_heads": kv_heads,
                             "head_dim": head_dim, "element_size": es,
                             "bandwidth": bw, "machine": machine, "command": command, "finished": _now(),
@@ -532,7 +560,8 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, s
     gc.collect()
     if backend is not None:
         backend.set_policy(policy)
-    cache = cache_from(model, _cell_kv(prefill_kv, context, batch))
+    start = start_tokens(context, warmup_steps, steps)
+    cache = cache_from(model, _cell_kv(prefill_kv, start, batch))
     if backend is not None:
         backend.adopt(cache)  # the first step runs the steady graph (kvpass/runtime/adopt.py)
     g0 = len(backend.graphs) if backend is not None else 0
@@ -542,7 +571,7 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, s
     ids, timed = _decode(fwd, cache, ids, steps)
     g2 = len(backend.graphs) if backend is not None else 0
     row: dict[str, Any] = {
-        "warmup_steps": warmup_steps, "steps": steps,
+        "warmup_steps": warmup_steps, "steps": steps, "start_tokens": start,
         "warmup_ms": [1000 * x for x in warm], "step_ms": [1000 * x for x in timed],
         "ms_per_token": 1000 * statistics.median(timed), "min_ms": 1000 * min(timed),
         "graphs_compiled_warmup": g1 - g0, "graphs_compiled_timed": g2 - g1,
@@ -625,6 +654,10 @@ def check_grid(what: str, contexts: list[int], batches: list[int], **counts: int
                          + ", ".join(f"{k}={v}" for k, v in counts.items()))
     if not contexts or not batches or min(contexts) < 1 or min(batches) < 1:
         raise ValueError(f"kvpass: {what} needs positive contexts and batches, got {contexts}, {batches}")
+    steps = counts.get("steps", 0) + counts.get("warmup_steps", 0)
+    if min(contexts) <= steps:  # a cell starts from its context minus its steps (start_tokens)
+        raise ValueError(f"kvpass: {what} needs every context above the dropped and timed steps ({steps}), got "
+                         f"{min(contexts)}")
 
 
 def bracket(n: float, contexts: list[int]) -> tuple[tuple[int, ...], float]:
@@ -731,9 +764,12 @@ LONG = (32768, "ClusterKV", 3.0)  # Full / ClusterKV at batch 1 from this contex
 FULL_VS_EAGER = (8, 0.6)  # kvpass Full / eager HF at the batch sweep's context, batch 8
 
 
-def _verdict(value: float, limit: float, at_most: bool, disturbed: bool = False) -> str:
-    if disturbed:
-        return "‡ not a measurement"
+NOT_A_MEASUREMENT = "‡ not a measurement"
+
+
+def _verdict(value: float, limit: float, at_most: bool, note: str | None = None) -> str:
+    if note:
+        return note
     if (value <= limit) if at_most else (value >= limit):
         return "met"
     pct = 100 * (value / limit - 1 if at_most else 1 - value / limit)
@@ -742,12 +778,13 @@ def _verdict(value: float, limit: float, at_most: bool, disturbed: bool = False)
 
 def target_lines(checks: list[tuple]) -> list[str]:
     """The targets table, ``| target | policy | measured | limit | verdict |``, from ``checks``: tuples
-    ``(target, policy label, value, limit, at_most, disturbed)``; a NaN value gives no line, no line no table."""
+    ``(target, policy label, value, limit, at_most, note)``, a note standing for the verdict where the value
+    does not measure the target; a NaN value gives no line, no line no table."""
     lines = ["| target | policy | measured | limit | |", "|---|---|---:|---:|---|"]
-    for what, label, value, limit, at_most, disturbed in checks:
+    for what, label, value, limit, at_most, note in checks:
         if not math.isnan(value):
             lines.append(f"| {what} | {label} | {value:.2f}× | {'≤' if at_most else '≥'} {limit:.2f}× | "
-                         f"{_verdict(value, limit, at_most, disturbed)} |")
+                         f"{_verdict(value, limit, at_most, note)} |")
     return lines if len(lines) > 2 else []
 
 
@@ -766,8 +803,9 @@ def long_bound(full_over_floor: float) -> str:
 def target_checks(cells: list[dict], batch_ctx: int | None) -> list[tuple]:
     """The checks (:func:`target_lines`) of the compressed policies' targets, shared by the grid's page and
     the paired one: ``cells`` (in the policies' order) carry ``policy``, ``label``, ``context``, ``batch``,
-    ``budget``, ``vs_floor``, ``vs_full`` (policy over Full at its context), ``speedup`` (Full over policy),
-    ``bound`` (Full over the floor) and ``disturbed``. At ``batch_ctx`` within :data:`FLOOR_AT_BATCH_1` of
+    ``budget``, ``last`` (the tokens held at its last timed step: :func:`last_tokens`), ``vs_floor``,
+    ``vs_full`` (policy over Full at its context), ``speedup`` (Full over policy), ``bound`` (Full over the
+    floor) and ``disturbed``. At ``batch_ctx`` within :data:`FLOOR_AT_BATCH_1` of
     the floor at batch 1 and :data:`FLOOR_AT_BATCH` at batch 8, within :data:`COVERED` of Full where the
     budget covers the context, ClusterKV :data:`LONG` times faster than Full at 32k."""
     order = list(dict.fromkeys(c["policy"] for c in cells))
@@ -776,15 +814,17 @@ def target_checks(cells: list[dict], batch_ctx: int | None) -> list[tuple]:
     for b, limit in ((1, FLOOR_AT_BATCH_1), FLOOR_AT_BATCH):
         for c in (c for c in cells if c["context"] == batch_ctx and c["batch"] == b):
             checks.append((f"context {batch_ctx}, batch {b}: × floor", c["label"], c["vs_floor"], limit, True,
-                           c["disturbed"]))
+                           NOT_A_MEASUREMENT if c["disturbed"] else None))
     for c in sorted((c for c in cells if c["batch"] == 1 and c["budget"] and c["budget"] >= c["context"]), key=key):
+        # a cell run past its budget selected in its timed steps: not this target
+        past = f"not covering: the cache reached {c['last']} tokens" if c["last"] > c["budget"] else None
         checks.append((f"context {c['context']}, budget covers it: × Full", c["label"], c["vs_full"], COVERED, True,
-                       False))
+                       past))
     long_ctx, name, speedup = LONG
     for c in sorted((c for c in cells if c["name"].startswith(name) and c["batch"] == 1 and c["context"] >= long_ctx),
                     key=key):
         checks.append((f"context {c['context']}, batch 1: Full ÷ policy ({long_bound(c['bound'])})", c["label"],
-                       c["speedup"], speedup, False, False))
+                       c["speedup"], speedup, False, None))
     return checks
 
 
@@ -798,7 +838,8 @@ def targets_table(trows: list[dict], idx, all_rows: list[dict], batch_ctx: int |
     for r in sorted((r for r in trows if r["policy"] in policies), key=lambda r: policies.index(r["policy"])):
         vs_full, vs_floor, _ = _ratios(r, all_rows, idx)
         cells.append({"policy": r["policy"], "name": r["policy_name"], "label": _label(r), "context": r["context"],
-                      "batch": r["batch"], "budget": r.get("budget"), "vs_floor": vs_floor, "vs_full": vs_full,
+                      "batch": r["batch"], "budget": r.get("budget"), "last": last_tokens(r), "vs_floor": vs_floor,
+                      "vs_full": vs_full,
                       "speedup": 1 / vs_full, "bound": vs_floor / vs_full, "disturbed": _disturbed(r, vs_floor)})
     checks = target_checks(cells, batch_ctx)
     b, limit = FULL_VS_EAGER
@@ -809,7 +850,7 @@ def targets_table(trows: list[dict], idx, all_rows: list[dict], batch_ctx: int |
     full, eager = cell("Full()"), cell(EAGER)
     if full is not None and eager is not None:
         checks.append((f"context {batch_ctx}, batch {b}: × eager HF", _label(full),
-                       full["ms_per_token"] / eager["ms_per_token"], limit, True, False))
+                       full["ms_per_token"] / eager["ms_per_token"], limit, True, None))
     return target_lines(checks)
 
 
@@ -958,9 +999,9 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
         "## How it was measured",
         "",
         f"- **Cache**: one exact prefill of {r0['prefill_tokens']} tokens of `pydoc_data.topics` prose with the "
-        f"model's own forward ({r0['prefill_s']:.1f} s). A context up to {r0['prefill_tokens']} takes the prefix of "
-        "its keys and values; a longer context repeats them along the sequence; a batch of B is B copies of the "
-        "row. Each cell puts them into a fresh `DynamicCache` and decodes greedily with a hand loop "
+        f"model's own forward ({r0['prefill_s']:.1f} s). A cache up to {r0['prefill_tokens']} tokens takes the prefix "
+        "of its keys and values; a longer one repeats them along the sequence; a batch of B is B copies of the "
+        f"row. {context_sentence(rows)} Each cell puts them into a fresh `DynamicCache` and decodes greedily with a hand loop "
         "(`fwd(input_ids=ids, past_key_values=cache, use_cache=True)`, `torch.no_grad()`).",
         f"- **Time**: the first {', '.join(map(str, warm))} decode step(s) of a cell are dropped (the policy adopts "
         f"the cache and builds its metadata there), then {', '.join(map(str, timed))} steps are timed"

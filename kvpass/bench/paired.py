@@ -15,7 +15,9 @@ is inside that drift. Here the two sides of each ratio are measured a few tens o
   averaged over the sites); the floor F(N, B) is Full's step at the measured ``--contexts`` that bracket
   N (interpolated linearly, as on the decode-cost page: :func:`kvpass.bench.decode_cost.bracket`), else at
   the nearest one. Full decodes at those contexts and at C (for × Full), each on a cache and a backend of
-  its own (a backend holds one sequence), its dropped steps first.
+  its own (a backend holds one sequence), its dropped steps first. Every member's cache starts from its
+  context minus the dropped steps and the rotations (:func:`kvpass.bench.decode_cost.start_tokens`): its
+  last step attends its context.
 - **Rotations**: ``--steps`` times, one decode step of each member of the group, the order reversed
   every other rotation. Each rotation gives a ratio policy step / F (F from that rotation's Full steps)
   and policy step / Full's step at C; a row reports the median of each over the rotations and the
@@ -44,8 +46,9 @@ from typing import Any
 import torch
 
 from kvpass.bench.decode_cost import (
-    DISTURBED, _cell_kv, _decode, _now, _site_sums, bracket, check_grid, floor_at, floor_label, machine_line, page_head,
-    prefill, resume, target_checks, target_lines, targets_title, warm_up,
+    DISTURBED, NOT_A_MEASUREMENT, _cell_kv, _decode, _now, _site_sums, bracket, check_grid, context_sentence, floor_at,
+    floor_label, last_tokens, machine_line, page_head, prefill, resume, start_tokens, target_checks, target_lines,
+    targets_title, warm_up,
 )
 from kvpass.bench.timing import cache_from, graph_keys_kept
 from kvpass.policies.base import Policy
@@ -149,7 +152,7 @@ def run_paired(
                         row = _group(model, runners, p, c, b, contexts, prefill_kv, first_ids, steps, warmup_steps)
                         row.update({"model": model_name, "policy": p.describe(), "policy_name": policy_label(p),
                                     "budget": policy_budget(p), "context": int(c), "batch": int(b), "threads": int(t),
-                                    "beyond_positions": c + warmup_steps + steps > max_pos,
+                                    "beyond_positions": c > max_pos,
                                     "skinny_linear": skinny_linear, "machine": machine, "command": command,
                                     "finished": _now()})
                         _append(path, row)
@@ -172,16 +175,18 @@ def _group(model, runners, policy, context, batch, contexts, prefill_kv, first_i
     backend, fwd = runners[policy.graph_key()]
     backend.set_policy(policy)
     members = []  # [name, fwd, cache, next ids, backend]
-    cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, context, batch)))
-    ids, _ = _decode(fwd, cache, first_ids(context, batch), warmup_steps)
+    start = start_tokens(context, warmup_steps, steps)
+    cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, start, batch)))
+    ids, _ = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
     members.append(["policy", fwd, cache, ids, backend])
     s = _site_sums(backend)
     n = max(1.0, s["tokens_attended"] / max(1, s["sites"]))
     at, w = bracket(n, contexts)
     for c in dict.fromkeys(at + (context,)):
         fb, ffwd = runners[("Full", c)]
-        fcache = fb.adopt(cache_from(model, _cell_kv(prefill_kv, c, batch)))
-        fids, _ = _decode(ffwd, fcache, first_ids(c, batch), warmup_steps)
+        fstart = start_tokens(c, warmup_steps, steps)
+        fcache = fb.adopt(cache_from(model, _cell_kv(prefill_kv, fstart, batch)))
+        fids, _ = _decode(ffwd, fcache, first_ids(fstart, batch), warmup_steps)
         members.append([c, ffwd, fcache, fids, fb])
     graphs0 = sum(len(m[4].graphs) for m in members)
     ms: dict[Any, list[float]] = {m[0]: [] for m in members}
@@ -195,7 +200,7 @@ def _group(model, runners, policy, context, batch, contexts, prefill_kv, first_i
     vs_full = [ms["policy"][i] / ms[context][i] for i in range(steps)]
     del members
     return {
-        "steps": steps, "warmup_steps": warmup_steps, "attended_per_site": n, "floor_contexts": list(at),
+        "steps": steps, "warmup_steps": warmup_steps, "start_tokens": start, "attended_per_site": n, "floor_contexts": list(at),
         "floor_weight": w, "floor_at": floor_label(n, at),
         "policy_step_ms": ms["policy"], "full_step_ms": {str(c): ms[c] for c in ms if c != "policy"},
         "vs_floor_steps": vs_floor, "vs_full_steps": vs_full,
@@ -213,7 +218,8 @@ def paired_targets(sel: list[dict[str, Any]]) -> list[str]:
     batch_ctx = max((r["context"] for r in sel if r["batch"] > 1), default=None)
     order = list(dict.fromkeys(r["policy"] for r in sel))
     cells = [{"policy": r["policy"], "name": r["policy_name"], "label": r["policy_name"], "context": r["context"],
-              "batch": r["batch"], "budget": r.get("budget"), "vs_floor": r["vs_floor"], "vs_full": r["vs_full"],
+              "batch": r["batch"], "budget": r.get("budget"), "last": last_tokens(r), "vs_floor": r["vs_floor"],
+              "vs_full": r["vs_full"],
               "speedup": statistics.median(1 / x for x in r["vs_full_steps"]),
               "bound": statistics.median(f / p for f, p in zip(r["vs_floor_steps"], r["vs_full_steps"])),
               "disturbed": r["vs_floor"] < DISTURBED}
@@ -246,7 +252,7 @@ def paired_table(rows: list[dict[str, Any]]) -> str:
                                                 "against eager HF is on docs/decode-cost.md, eager is not paired; "
                                                 "attention recall and accuracy at 8k are on "
                                                 "docs/results-clusterkv.md"), ""] + tt
-                if any(line.endswith("| ‡ not a measurement |") for line in tt):
+                if any(line.endswith(f"| {NOT_A_MEASUREMENT} |") for line in tt):
                     parts += ["", f"‡ faster than {DISTURBED}× its floor: a compressed step cannot cost much less "
                                   "than Full's step over the tokens it attends; that ratio does not measure the "
                                   "policy."]
@@ -283,8 +289,8 @@ def write_paired_md(out_dir: Path, path: Path, command: str) -> Path:
         "between the two, more than the few percent the targets are about. Here both sides of each ratio "
         "are measured tens of milliseconds apart.",
         "- **A group per policy cell**: the policy decodes on its own cache (the cache of docs/decode-cost.md: "
-        "one exact prefill of the prose, its prefix or repeats, a batch of copies); after its "
-        f"{', '.join(map(str, warm))} dropped step(s) its report gives N, the tokens it attends per site "
+        f"one exact prefill of the prose, its prefix or repeats, a batch of copies). {context_sentence(rows)} After "
+        f"its {', '.join(map(str, warm))} dropped step(s) the policy's report gives N, the tokens it attends per site "
         "(averaged over the sites). Its floor F(N, B) is Full's step at the measured contexts that bracket N, "
         "interpolated linearly, else at the nearest (`floor: Full at`). Full decodes at those contexts and at "
         "the cell's context, each on its own cache and backend, after its own dropped steps.",
