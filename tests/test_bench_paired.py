@@ -149,7 +149,8 @@ def test_targets_from_the_groups_medians():
         ("context 8192, batch 8: × floor", "Quest", "1.10×"): "met",
         ("context 8192, batch 8: × floor", "ClusterKV", "0.85×"): "‡ not a measurement",
         ("context 1024, budget covers it: × Full", "Quest", "1.04×"): "met",
-        ("context 1024, budget covers it: × Full", "StreamingLLM", "1.20×"): "not covering: the cache reached 1031 tokens",
+        ("context 1024, budget covers it: × Full", "StreamingLLM", "1.20×"):
+            "not covering: the cache reached 1031 tokens",
         ("context 32768, batch 1: Full ÷ policy (Full ÷ its floor 4.07×)", "ClusterKV", "3.25×"): "met",
     }
     assert paired.paired_targets([x for x in groups if x["batch"] == 1 and x["context"] == 1024

@@ -1001,7 +1001,8 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
         f"- **Cache**: one exact prefill of {r0['prefill_tokens']} tokens of `pydoc_data.topics` prose with the "
         f"model's own forward ({r0['prefill_s']:.1f} s). A cache up to {r0['prefill_tokens']} tokens takes the prefix "
         "of its keys and values; a longer one repeats them along the sequence; a batch of B is B copies of the "
-        f"row. {context_sentence(rows)} Each cell puts them into a fresh `DynamicCache` and decodes greedily with a hand loop "
+        f"row. {context_sentence(rows)} Each cell puts them into a fresh `DynamicCache` and decodes greedily "
+        "with a hand loop "
         "(`fwd(input_ids=ids, past_key_values=cache, use_cache=True)`, `torch.no_grad()`).",
         f"- **Time**: the first {', '.join(map(str, warm))} decode step(s) of a cell are dropped (the policy adopts "
         f"the cache and builds its metadata there), then {', '.join(map(str, timed))} steps are timed"
