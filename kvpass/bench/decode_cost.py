@@ -473,8 +473,7 @@ def run_decode_cost(
                             _, p, c, b = cell
                             backend, fwd, _ = runners[gk]
                             profiled = rnd == rounds - 1 and c == batch_context and b in profile_batches
-                            ids = first_ids(start_tokens(c, warmup_steps, steps), b)
-                            parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, ids,
+                            parts[cell].append(_run_cell(model, fwd, backend, p, c, b, prefill_kv, first_ids,
                                                          steps=steps, warmup_steps=warmup_steps,
                                                          profile_steps=profile_steps if profiled else 0,
                                                          per_token=per_token, n_layers=n_layers))
@@ -555,7 +554,7 @@ def restat(row: dict[str, Any], statistic: str = "median") -> dict[str, Any]:
     return r
 
 
-def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, steps, warmup_steps, profile_steps,
+def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids, *, steps, warmup_steps, profile_steps,
               per_token, n_layers) -> dict[str, Any]:
     gc.collect()
     if backend is not None:
@@ -565,7 +564,7 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, ids, *, s
     if backend is not None:
         backend.adopt(cache)  # the first step runs the steady graph (kvpass/runtime/adopt.py)
     g0 = len(backend.graphs) if backend is not None else 0
-    ids, warm = _decode(fwd, cache, ids, warmup_steps)
+    ids, warm = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
     g1 = len(backend.graphs) if backend is not None else 0
     moved0 = _site_sums(backend)["bytes_moved"] if backend is not None else 0
     ids, timed = _decode(fwd, cache, ids, steps)

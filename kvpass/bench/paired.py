@@ -175,19 +175,22 @@ def _group(model, runners, policy, context, batch, contexts, prefill_kv, first_i
     backend, fwd = runners[policy.graph_key()]
     backend.set_policy(policy)
     members = []  # [name, fwd, cache, next ids, backend]
-    start = start_tokens(context, warmup_steps, steps)
-    cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, start, batch)))
-    ids, _ = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
-    members.append(["policy", fwd, cache, ids, backend])
+
+    def join(name, fwd, backend, c):
+        """A member on its own cache of context ``c`` (it ends there: ``start_tokens``), its dropped steps run."""
+        start = start_tokens(c, warmup_steps, steps)
+        cache = backend.adopt(cache_from(model, _cell_kv(prefill_kv, start, batch)))
+        ids, _ = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
+        members.append([name, fwd, cache, ids, backend])
+        return start
+
+    start = join("policy", fwd, backend, context)
     s = _site_sums(backend)
     n = max(1.0, s["tokens_attended"] / max(1, s["sites"]))
     at, w = bracket(n, contexts)
     for c in dict.fromkeys(at + (context,)):
         fb, ffwd = runners[("Full", c)]
-        fstart = start_tokens(c, warmup_steps, steps)
-        fcache = fb.adopt(cache_from(model, _cell_kv(prefill_kv, fstart, batch)))
-        fids, _ = _decode(ffwd, fcache, first_ids(fstart, batch), warmup_steps)
-        members.append([c, ffwd, fcache, fids, fb])
+        join(c, ffwd, fb, c)
     graphs0 = sum(len(m[4].graphs) for m in members)
     ms: dict[Any, list[float]] = {m[0]: [] for m in members}
     for i in range(steps):
