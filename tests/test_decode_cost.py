@@ -83,9 +83,12 @@ def test_rows_for_every_policy_and_eager(run):
     # the cache past the 256 positions is the prefill's K/V repeated
     long = [r for r in rows if r["context"] == 320]
     assert all(r["repeated"] and r["beyond_positions"] and r["prefill_tokens"] == 256 for r in long)
-    # a cell starts from its context less its 2 dropped and 2 timed steps: its last timed step attends the
-    # context; eager and Full attend every token at every layer
-    assert all(r["start_tokens"] == r["context"] - 4 for r in rows)
+    # a cell starts from its context less its 2 dropped and 2 timed steps, and its profiled step where it has
+    # one (between the dropped and the timed ones): its last timed step attends the context; eager and Full
+    # attend every token at every layer
+    profiled = [r for r in rows if "breakdown" in r]
+    assert profiled and all(r["profiled_before_timed"] for r in profiled)
+    assert all(r["start_tokens"] == r["context"] - 4 - ("breakdown" in r) for r in rows)
     for r in rows:
         if r["policy"] in ("eager", "Full()"):
             assert r["attended_per_site"] == r["context"]

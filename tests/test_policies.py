@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpass import ClusterKV, Full, KVPassError, Quest, StreamingLLM, kvpass, policy_from_dict
+from kvpass.runtime import Runtime
 from sites import as_sets, attend_oracle, prefill_then_decode
 from tiny import generate, prompt, tiny_llama
 
@@ -103,6 +104,36 @@ def test_quest_selects_top_pages_and_newest_page(budget, page_size, gqa, owned):
 def test_budget_covering_context_is_exact(policy):
     for q, k, v, out, idx in prefill_then_decode(policy, length=100):
         assert idx is None  # exact attention, the same call Full makes
+
+
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("length, page_size", [(28, 8), (30, 5), (31, 16)])
+def test_quest_folds_the_covered_steps_keys_when_the_context_outgrows_the_budget(length, page_size, owned):
+    """Steps whose budget covers the context attend everything and leave their keys out of the pages
+    (``QuestState.lag``); the step that outgrows the budget folds them in, one scheduled event, and from
+    there every step selects what the oracle selects from every key."""
+    budget = 32
+    policy = Quest(budget=budget, page_size=page_size)
+    rt = Runtime(policy)
+    steps = prefill_then_decode(policy, length=length, steps=40 - length, owned=owned, rt=rt)
+    covered = 0
+    for q, k, v, out, idx in steps:
+        if k.shape[2] <= budget:
+            assert idx is None
+            covered += 1
+            continue
+        sel = as_sets(idx)
+        assert sel == _oracle_quest(q, k, budget, page_size, "sum"), k.shape[2]
+        ref = attend_oracle(q, k, v, sel, 1 / math.sqrt(q.shape[-1]))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert covered == budget - length and rt.state(0).events == 1
+    # the pages hold what a state that folded every key holds: the bounds of every page of the cache
+    from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref
+
+    meta, d = rt.state(0).meta, k.shape[3]
+    lo, hi = quest_page_minmax_ref(k, page_size)
+    assert torch.equal(meta[:, :, : lo.shape[2], :d], quest_bounds(hi, meta.dtype, up=True))
+    assert torch.equal(meta[:, :, : lo.shape[2], d:], quest_bounds(lo, meta.dtype, up=False))
 
 
 # -- end to end on a tiny model ----------------------------------------------------------------------

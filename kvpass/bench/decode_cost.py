@@ -49,7 +49,8 @@ Quest(budget=1024), ClusterKV(budget=1024), CentroidKV(cache_ratio=0.25), Tailor
   GB/s = bytes / step time, and its share of this machine's bandwidth, measured by the command at the
   same thread count (:func:`measure_bandwidth`: the best of a few 512 MB tensor sums and copies).
 - **Breakdown** (:func:`breakdown`): ``--profile-steps`` extra steps under ``torch.profiler`` in the cells
-  ``(batch context, batch 1)`` and ``(batch context, batch 8 or the largest)``; self CPU time (main
+  ``(batch context, batch 1)`` and ``(batch context, batch 8 or the largest)``, between the dropped and the
+  timed steps (the cell starts that many tokens earlier: they too attend at most the context); self CPU time (main
   thread) goes to ``selection`` (``kvpass.select`` ranges), ``gather+attention`` (``kvpass.attend``
   ranges, and SDPA anywhere else; without ranges, SDPA / bmm / matmul under a ``kvpass::`` op),
   ``bookkeeping`` (``kvpass.bookkeeping`` ranges), ``runtime`` (the rest of the time inside ``kvpass::``
@@ -229,8 +230,9 @@ def _cell_kv(prefill_kv, context: int, batch: int) -> list[tuple[torch.Tensor, t
 
 
 def start_tokens(context: int, warmup_steps: int, steps: int) -> int:
-    """The tokens a cell of ``context`` starts from: each of its dropped and timed steps adds one, so that its
-    last timed step attends ``context`` tokens (a budget of ``context`` covers every step of the cell)."""
+    """The tokens a cell of ``context`` starts from: each of its dropped (and profiled: ``warmup_steps`` counts
+    them) and timed steps adds one, so that its last timed step attends ``context`` tokens (a budget of
+    ``context`` covers every step of the cell)."""
     return context - warmup_steps - steps
 
 
@@ -559,13 +561,26 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
     gc.collect()
     if backend is not None:
         backend.set_policy(policy)
-    start = start_tokens(context, warmup_steps, steps)
+    # the profiled steps run between the dropped and the timed ones, so that they too attend at most the context
+    start = start_tokens(context, warmup_steps + profile_steps, steps)
     cache = cache_from(model, _cell_kv(prefill_kv, start, batch))
     if backend is not None:
         backend.adopt(cache)  # the first step runs the steady graph (kvpass/runtime/adopt.py)
     g0 = len(backend.graphs) if backend is not None else 0
     ids, warm = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
-    g1 = len(backend.graphs) if backend is not None else 0
+    g1 = gw = len(backend.graphs) if backend is not None else 0
+    profiled = None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            ids, _ = _decode(fwd, cache, ids, profile_steps)
+            wall = time.perf_counter() - t0
+        g = len(backend.graphs) if backend is not None else 0
+        profiled = {"breakdown": breakdown(prof.events(), profile_steps, wall), "graphs_compiled_profile": g - g1,
+                    "profiled_before_timed": True}
+        g1 = g
     moved0 = _site_sums(backend)["bytes_moved"] if backend is not None else 0
     ids, timed = _decode(fwd, cache, ids, steps)
     g2 = len(backend.graphs) if backend is not None else 0
@@ -573,7 +588,7 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
         "warmup_steps": warmup_steps, "steps": steps, "start_tokens": start,
         "warmup_ms": [1000 * x for x in warm], "step_ms": [1000 * x for x in timed],
         "ms_per_token": 1000 * statistics.median(timed), "min_ms": 1000 * min(timed),
-        "graphs_compiled_warmup": g1 - g0, "graphs_compiled_timed": g2 - g1,
+        "graphs_compiled_warmup": gw - g0, "graphs_compiled_timed": g2 - g1,
     }
     if backend is not None:
         s = _site_sums(backend)
@@ -589,15 +604,8 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
                     "tokens_held": n_layers * length, "device_bytes": n_layers * length * per_token * batch,
                     "host_bytes": 0, "bytes_moved": 0, "bytes_moved_per_step": 0.0, "metadata_bytes": 0})
     row["attended_per_site"] = row["tokens_attended"] / max(1, row["sites"])
-    if profile_steps:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            ids, _ = _decode(fwd, cache, ids, profile_steps)
-            wall = time.perf_counter() - t0
-        row["breakdown"] = breakdown(prof.events(), profile_steps, wall)
-        row["graphs_compiled_profile"] = (len(backend.graphs) if backend is not None else 0) - g2
+    if profiled is not None:
+        row.update(profiled)
     del cache
     return row
 
@@ -1043,7 +1051,11 @@ def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str
         "tokens per site), else Full at the nearest measured context (e.g. 1024 for a budget of 1024). The "
         "detail table gives N and the contexts used, or the one context, in parentheses. ‡ marks a compressed "
         f"cell faster than {DISTURBED}× its floor (the machine drifted between the two; not a measurement).",
-        "- **Breakdown**: extra decode steps under `torch.profiler` after the timed ones; self CPU time of the "
+        "- **Breakdown**: extra decode steps under `torch.profiler` "
+        + ("between the dropped and the timed ones (the cell starts that many tokens earlier, so that they too "
+           "attend at most its context)" if all(r.get("profiled_before_timed") for r in rows if "breakdown" in r)
+           else "after the timed ones (their cache went past the context by as many tokens)")
+        + "; self CPU time of the "
         "main thread goes to `selection` (ranges `kvpass.select`), `gather+attention` (ranges `kvpass.attend`, "
         "and SDPA elsewhere; where the runtime has no ranges, SDPA / bmm / matmul under a `kvpass::` op), "
         "`bookkeeping` (ranges `kvpass.bookkeeping`), `runtime` (the rest of the time inside `kvpass::` ops) and "

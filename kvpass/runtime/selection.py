@@ -83,6 +83,9 @@ class QuestState(SiteState):
         self.meta: torch.Tensor | None = None
         self.pages: torch.Tensor | None = None  # (B, H_kv, n) pages chosen at the last step
         self._step = None  # the CPU selection's QuestStep, made for meta and pad.first (select)
+        # the first position whose key is not yet in its page: steps whose budget covers the context attend
+        # everything and leave their keys out (select), folded in when the context outgrows the budget
+        self.lag: int | None = None
 
     def metadata_bytes(self) -> int:
         return 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -108,22 +111,29 @@ class QuestState(SiteState):
             self._ensure_capacity(call, pages)
         if call.new_tokens == 1 and call.start > 0:
             return  # a steady step: select() merges the key into its page, in its C call where it runs one
+        self._fold(call, call.start if self.lag is None else min(self.lag, call.start))
+
+    def _fold(self, call: AttentionCall, start: int) -> None:
+        """The keys of positions ``[start, call.length)`` into their pages (all of them where ``start`` is 0),
+        at an event: a prefill, a chunk, an adopted cache, the step where the context outgrows the budget."""
         from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
 
-        d = call.k.shape[3]
+        self.lag = None
+        ps, d = self.policy.page_size, call.k.shape[3]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         if self.pad.padded:
-            self._observe_rows(call)
-        elif call.start == 0:
+            self._observe_rows(call, start)
+        elif start == 0:
+            pages = -(-call.length // ps)
             lo, hi = quest_page_minmax_ref(call.k_logical, ps)
             kmin[:, :, :pages] = quest_bounds(lo, kmin.dtype, up=False)
             kmax[:, :, :pages] = quest_bounds(hi, kmax.dtype, up=True)
             _unopened(self.meta[:, :, pages:])
         else:
-            quest_update_minmax_(kmin, kmax, call.k[:, :, call.start : call.length], call.start, ps)
+            quest_update_minmax_(kmin, kmax, call.k[:, :, start : call.length], start, ps)
 
-    def _observe_rows(self, call: AttentionCall) -> None:
-        """:meth:`observe` for a left-padded batch: each row's tokens go to its own pages."""
+    def _observe_rows(self, call: AttentionCall, start: int) -> None:
+        """:meth:`_fold` for a left-padded batch: each row's tokens go to its own pages."""
         from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
         from kvpass.runtime.rows import first_positions
 
@@ -131,10 +141,10 @@ class QuestState(SiteState):
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         # an event (prefill, chunk, adopted cache): the mask is read, rows one by one
         first = first_positions(call.valid, batch, "in its prefill")
-        if call.start == 0:
+        if start == 0:
             _unopened(self.meta)
         for b, f in enumerate(first):
-            s = max(call.start, f)
+            s = max(start, f)
             if s >= call.length:
                 continue
             if s == f:
@@ -180,12 +190,17 @@ class QuestState(SiteState):
         budget, ps, length = self.policy.budget, self.policy.page_size, call.length
         steady = call.new_tokens == 1 and call.start > 0  # observe() left the key's merge to this step
         covered = length - self.pad.first_min <= budget
-        in_c = not covered and self._top_in_c(call.q)
-        if steady and not in_c:
-            self._fold_key(call)  # the C call merges it itself
         if covered:
+            if steady and self.lag is None:
+                self.lag = length - 1  # the pages are not read until the context outgrows the budget
             self.pages = None
             return None  # every row fits in the budget: exact attention, as each alone
+        if self.lag is not None:
+            self._fold(call, self.lag)  # the keys the covered steps left out, this one's too
+            self.events += 1  # a step of other ops, once a sequence
+        in_c = self._top_in_c(call.q)
+        if steady and not in_c:
+            self._fold_key(call)  # the C call merges it itself
         pages = -(-length // ps)
         n = budget // ps - 1
         padded = self.pad.padded
