@@ -268,6 +268,31 @@ def test_a_row_that_finishes_early_leaves_the_others_as_alone(padded_compiled):
     assert torch.equal(out[1, -NEW:], second.sequences[0, -NEW:])
 
 
+def test_a_padded_quest_batch_that_outgrows_its_budget_selects_as_each_row_alone(padded_compiled):
+    """Prompts of 15 and 10 tokens under Quest(budget=16, page_size=4), 10 new tokens: the first steps cover
+    the batch (its keys are left out of the page bounds, ``QuestState.lag``), then the longer row outgrows
+    the budget and every key is folded in, row by row at its own pages, at that step; the shorter row
+    selects from its pages later. Each row selects and answers what it does alone."""
+    model = padded_compiled.model
+    policy = SMALL["Quest"]
+    assert policy.budget == 16
+    rows = [prompt(n, seed=60 + n)[0] for n in (15, 10)]
+    ids, mask = left_padded(rows)
+    be, fwd = padded_compiled.forward(policy)
+    out, steps = _generate(model, fwd, ids, be, new=10, attention_mask=mask)
+    covered = [all(sel[0][0] == "all" for sel in step.values()) for step in steps]
+    assert covered[0] and not covered[-1], covered  # covering steps, then selecting ones
+    assert all(step[site][1][0] == "idx" for step in steps[-2:] for site in step)  # the shorter row selects too
+    assert all(st.events == 1 for st in be.runtime.sites.values()), "the fold is not one event a site"
+    for i, r in enumerate(rows):
+        be.set_policy(policy)
+        alone, alone_steps = _generate(model, fwd, r[None], be, new=10)
+        assert torch.equal(out.sequences[i, -10:], alone.sequences[0, -10:]), f"row {i}"
+        for step, (sb, sa) in enumerate(zip(steps, alone_steps)):
+            for site in sb:
+                assert _same_selection(sb[site][i], sa[site][0]), f"row {i}, step {step}, site {site}"
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(9, 40), min_size=2, max_size=3),
