@@ -566,10 +566,14 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
     cache = cache_from(model, _cell_kv(prefill_kv, start, batch))
     if backend is not None:
         backend.adopt(cache)  # the first step runs the steady graph (kvpass/runtime/adopt.py)
-    g0 = len(backend.graphs) if backend is not None else 0
+
+    def graphs() -> int:
+        return len(backend.graphs) if backend is not None else 0
+
+    g0 = graphs()
     ids, warm = _decode(fwd, cache, first_ids(start, batch), warmup_steps)
-    g1 = gw = len(backend.graphs) if backend is not None else 0
-    profiled = None
+    g1 = graphs()
+    profiled = {}
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -577,18 +581,17 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
             t0 = time.perf_counter()
             ids, _ = _decode(fwd, cache, ids, profile_steps)
             wall = time.perf_counter() - t0
-        g = len(backend.graphs) if backend is not None else 0
-        profiled = {"breakdown": breakdown(prof.events(), profile_steps, wall), "graphs_compiled_profile": g - g1,
-                    "profiled_before_timed": True}
-        g1 = g
+        profiled = {"breakdown": breakdown(prof.events(), profile_steps, wall),
+                    "graphs_compiled_profile": graphs() - g1, "profiled_before_timed": True}
+    g2 = graphs()
     moved0 = _site_sums(backend)["bytes_moved"] if backend is not None else 0
     ids, timed = _decode(fwd, cache, ids, steps)
-    g2 = len(backend.graphs) if backend is not None else 0
+    g3 = graphs()
     row: dict[str, Any] = {
         "warmup_steps": warmup_steps, "steps": steps, "start_tokens": start,
         "warmup_ms": [1000 * x for x in warm], "step_ms": [1000 * x for x in timed],
         "ms_per_token": 1000 * statistics.median(timed), "min_ms": 1000 * min(timed),
-        "graphs_compiled_warmup": gw - g0, "graphs_compiled_timed": g2 - g1,
+        "graphs_compiled_warmup": g1 - g0, "graphs_compiled_timed": g3 - g2, **profiled,
     }
     if backend is not None:
         s = _site_sums(backend)
@@ -604,8 +607,6 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
                     "tokens_held": n_layers * length, "device_bytes": n_layers * length * per_token * batch,
                     "host_bytes": 0, "bytes_moved": 0, "bytes_moved_per_step": 0.0, "metadata_bytes": 0})
     row["attended_per_site"] = row["tokens_attended"] / max(1, row["sites"])
-    if profiled is not None:
-        row.update(profiled)
     del cache
     return row
 

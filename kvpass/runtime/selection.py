@@ -139,7 +139,8 @@ class QuestState(SiteState):
 
         ps, d, batch = self.policy.page_size, call.k.shape[3], call.k.shape[0]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
-        # an event (prefill, chunk, adopted cache): the mask is read, rows one by one
+        # an event (prefill, chunk, adopted cache, the step that outgrows the budget): the mask is read, rows
+        # one by one
         first = first_positions(call.valid, batch, "in its prefill")
         if start == 0:
             _unopened(self.meta)
