@@ -26,8 +26,9 @@
 # with two threads on a busy 2-core machine, OpenMP waits turn timings into multiples of ~8 ms) and the
 # CUDA graphs check on the CPU (Inductor skips the graphs there: it shows the mode reaches Inductor).
 #
-# Usage, from the repository root of a checkout whose venv is .venv:  demos/gpu_check.sh
-# (PYTHON=/path/to/python overrides the interpreter).
+# Usage: demos/gpu_check.sh from any directory. It runs .venv/bin/python where `make` built it, else the
+# machine's python3 with its own torch and Triton (kvpass from this checkout on PYTHONPATH); PYTHON=...
+# overrides. It prints the versions first.
 #   demos/gpu_check.sh --write-plugin DIR   only writes DIR/kvpass_cuda_launch.py and exits. With
 #   KVPASS_LAUNCH_DEVICE=cpu the plugin copies to (new) CPU tensors instead and simulates the GPU
 #   run on a CPU machine: the kernels are decorated under TRITON_INTERPRET=1, the plugin then sets
@@ -37,7 +38,16 @@
 #         -p kvpass_cuda_launch -k "not errors" tests/test_kernel_quest.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
+# the project's venv where `make` built one; otherwise the machine's own python3 with whatever torch and
+# Triton it has, kvpass imported from this checkout
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3; export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PY" -c "import sys, torch; import importlib.util as u; t = u.find_spec('triton'); \
+import importlib; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', \
+importlib.import_module('triton').__version__ if t else 'absent', '| CUDA', torch.version.cuda, \
+'| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
 export HYPOTHESIS_PROFILE=ci
 TESTS=(tests/test_kernel_sparse_attention.py tests/test_kernel_quest.py tests/test_kernel_clusterkv.py
        tests/test_kernel_centroid.py tests/test_kernel_tailorkv.py)
