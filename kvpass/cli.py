@@ -1,4 +1,4 @@
-"""The ``kvpass`` command line: ``kvpass demo | bench | explain | coverage``; it only dispatches.
+"""The ``kvpass`` command line: ``kvpass demo | bench | explain | coverage | check``; it only dispatches.
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``; :data:`COMMANDS` lists them. Adding a subcommand is one line there plus the
@@ -27,6 +27,8 @@ COMMANDS: list[tuple[str, str, str]] = [
                                   "exact and why; optionally dump the rewritten graphs"),
     ("coverage", "kvpass.coverage", "the model coverage matrix: every decoder family as a tiny random model, "
                                     "sites per layer, Full vs eager (writes docs/models.md)"),
+    ("check", "kvpass.check", "every policy end to end on the simulated CUDA device (--device simulated-cuda): "
+                              "tokens vs the CPU run, mixed-device ops, host-to-device bytes per step"),
 ]
 
 

@@ -217,8 +217,10 @@ def calibrate(
             print(f"kvpass: calibrating TailorKV on prompt {i + 1}/{len(ids_list)} ({ids.shape[1]} tokens)", flush=True)
         backend.clear_state()
         with torch.no_grad(), constant_floats():
-            forward(input_ids=ids.to(device), use_cache=True)
-        scores = backend.runtime.shared.get("tailorkv.scores", {})
+            out = forward(input_ids=ids.to(device), use_cache=True)
+        # read while the output's cache is alive: the runtime frees a sequence's state with its cache
+        scores = dict(backend.runtime.shared.get("tailorkv.scores", {}))
+        del out
         if not scores:
             raise KVPassError(
                 "kvpass: calibrate found no attention site to score (see the backend's report: "

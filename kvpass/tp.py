@@ -194,8 +194,9 @@ def _run_compiled(model, ids, new_tokens: int, backend_fn) -> tuple[list[int], t
 
 
 def _held_heads(backend) -> list[int]:
-    """The head count of each site's own key buffer (the runtime-owned store), where it has one."""
-    return sorted({st.store.k.shape[1] for st in backend.runtime.sites.values() if st.store.k is not None})
+    """The head count of each site's own key buffer (the runtime-owned store), where it had one (read from
+    the report: the buffers themselves were freed when generate() dropped the model's cache)."""
+    return sorted({r["store_heads"] for r in backend.report_rows() if r.get("store_heads")})
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:

@@ -201,7 +201,12 @@ class CompiledTiny:
 
     def generate(self, policy, ids, new_tokens=6, strict=True, options=None, **kw):
         """Greedy ``generate`` through the shared compile under ``policy``; returns ``(output, backend)``."""
+        from transformers import DynamicCache
+
         be, fwd = self.forward(policy, strict=strict, **(options or {}))
+        # kvpass frees a sequence's state with the model's cache: keep the last one, for tests that read
+        # the backend's state of it after generate() returned
+        self.cache = kw.setdefault("past_key_values", DynamicCache(config=self.model.config))
         f0 = self.model.forward
         self.model.forward = fwd
         try:

@@ -27,10 +27,13 @@ def _prefill(model, ids):
     return [(layer.keys.clone(), layer.values.clone()) for layer in past.layers]
 
 
-def _decode(model, fwd, ids, kv, adopt=None):
+def _decode(model, fwd, ids, kv, adopt=None, keep=None):
     """Greedy tokens after ``ids`` from a copy of ``kv`` through ``fwd`` (``adopt``: the backend that
-    adopts the cache first)."""
+    adopts the cache first). ``keep``: a list the cache is appended to, so that the backend's state of the
+    sequence outlives the call (kvpass frees it with the model's cache)."""
     cache = cache_from(model, [(k.clone(), v.clone()) for k, v in kv])
+    if keep is not None:
+        keep.append(cache)
     f0 = model.forward
     model.forward = fwd
     try:
@@ -56,9 +59,10 @@ def adopted():
     plain, adopting = kvpass(policy, strict=True), kvpass(policy, strict=True)
     fwd_plain = torch.compile(model.forward, backend=plain, dynamic=True)
     fwd_adopt = torch.compile(model.forward, backend=adopting, dynamic=True)
-    out_plain = _decode(model, fwd_plain, ids, kv)
-    out_adopt = _decode(model, fwd_adopt, ids, kv, adopt=adopting)
-    yield dict(model=model, ids=ids, kv=kv, plain=plain, adopting=adopting, fwd_plain=fwd_plain,
+    caches = []  # the tests read each backend's state of its sequence
+    out_plain = _decode(model, fwd_plain, ids, kv, keep=caches)
+    out_adopt = _decode(model, fwd_adopt, ids, kv, adopt=adopting, keep=caches)
+    yield dict(caches=caches, model=model, ids=ids, kv=kv, plain=plain, adopting=adopting, fwd_plain=fwd_plain,
                fwd_adopt=fwd_adopt, out_plain=out_plain, out_adopt=out_adopt)
     torch._dynamo.reset()
 

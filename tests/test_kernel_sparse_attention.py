@@ -306,6 +306,23 @@ def test_segments_equal_the_token_reference(b, h_kv, g, s, data):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_segments_take_a_query_whose_last_dim_is_not_contiguous():
+    """A compiled graph can hand the site a query laid out (B, D, H_q) in memory (batch > 1, beam search):
+    the segments path equals the reference on it (torch 2.13's CPU flash op read it as contiguous)."""
+    from kvpass.kernels.sparse_attention import segments_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, h_kv, g, s, d = 2, 2, 2, 40, 16
+    q = torch.randn(b, d, h_kv * g, generator=gen).transpose(1, 2)  # strides (D*H, 1, H): last dim strided
+    assert q.stride(-1) != 1
+    k = torch.randn(b, h_kv, s, d, generator=gen)
+    v = torch.randn(b, h_kv, s, d, generator=gen)
+    ranges = [(0, 4), (20, 40)]
+    idx = torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).expand(b, h_kv, -1)
+    got = segments_decode_attention(q, k, v, ranges, 0.25)
+    torch.testing.assert_close(got, naive_attention(q.contiguous(), k, v, idx, scale=0.25), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_fp32_cpu_path_counts_duplicates_and_masks_everything(dense):
     """The fp32 CPU path, gathered (few positions) and masked dense (many): a duplicate counts twice,

@@ -148,6 +148,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "--threads; --results-md writes the page (kvpass.bench.compile_time)")
     c.add_argument("--compile-time", action="store_true",
                    help="measure compile time instead of running the accuracy grid (rows in OUT/compile_time.jsonl)")
+    e = p.add_argument_group("lm-eval", "kvpass bench --lm-eval TASKS: lm-evaluation-harness's simple_evaluate of "
+                                        "TASKS for each of --policies (default Full; a spec without its own budget "
+                                        "is swept over --budgets, default 1024 here; 'eager' runs the model "
+                                        "uncompiled) through the lm-eval model 'kvpass' "
+                                        "(kvpass.bench.lm_eval; needs pip install 'kvpass[eval]'); --model, --out, "
+                                        "--results-md (default OUT/lm-eval.md) and --threads apply too")
+    e.add_argument("--lm-eval", default=None, metavar="TASKS",
+                   help="comma-separated lm-eval tasks, e.g. niah_single_2_prose,niah_single_1 (the prose RULER "
+                        "tasks of kvpass.bench.ruler_tasks and lm-eval's own); rows in OUT/lm_eval.jsonl")
+    e.add_argument("--limit", type=int, default=None, metavar="N", help="samples per task and length (default: all)")
+    e.add_argument("--max-seq-lengths", default=None, metavar="N,N",
+                   help="RULER's sample lengths in tokens, answer reserve included (default 4096)")
+    e.add_argument("--batch-size", type=int, default=4, metavar="N",
+                   help="lm-eval's batch size: its batches are left-padded (default %(default)s)")
+    e.add_argument("--max-gen-toks", type=int, default=None, metavar="N",
+                   help="override the task's max_gen_toks (RULER: 128; the answer is the first tokens)")
+    e.add_argument("--chat-template", action="store_true",
+                   help="lm-eval's apply_chat_template: each prompt as one user turn of the model's chat template")
+    f = p.add_argument_group("fidelity", "kvpass bench --fidelity: top-1 agreement with Full and KL(Full || policy) "
+                                         "of the next token, teacher-forced on Full's greedy continuation of pydoc "
+                                         "prose (kvpass.bench.fidelity); --contexts (default 4096), --policies "
+                                         "(each non-Full one at --budgets, default 512,1024,2048; CentroidKV at ratios "
+                                         "0.125,0.25,0.5), --steps (default 64), --out, --results-md (default "
+                                         "OUT/fidelity.md). kvpass bench --faithfulness: the faithfulness oracle "
+                                         "(kvpass.bench.faithfulness) at --contexts (default 8192) for --steps "
+                                         "(default 32) of each of --policies as given")
+    f.add_argument("--fidelity", action="store_true",
+                   help="measure fidelity to Full instead of running the accuracy grid (rows in OUT/fidelity.jsonl)")
+    f.add_argument("--prompts", type=int, default=None, metavar="N", help="prose prompts per context (default 20)")
+    f.add_argument("--faithfulness", action="store_true",
+                   help="check every decode step against attention over what its policy says it attended (rows "
+                        "in OUT/faithfulness.jsonl; exit status 1 when a step fails)")
 
 
 def split_specs(text: str) -> list[str]:
@@ -293,6 +325,23 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "lm_eval", None):
+        try:
+            from kvpass.bench.lm_eval import run_bench as run_lm_eval
+        except ModuleNotFoundError as e:
+            if e.name not in ("lm_eval", "wonderwords", "nltk"):
+                raise
+            raise ModuleNotFoundError(f"kvpass: --lm-eval needs the optional extra: pip install 'kvpass[eval]' "
+                                      f"(missing: {e.name})") from e
+        return run_lm_eval(args)
+    if getattr(args, "fidelity", False):
+        from kvpass.bench.fidelity import run as run_fidelity
+
+        return run_fidelity(args)
+    if getattr(args, "faithfulness", False):
+        from kvpass.bench.faithfulness import run as run_faithfulness
+
+        return run_faithfulness(args)
     if getattr(args, "compile_time", False):
         from kvpass.bench.compile_time import run as run_compile_time
 

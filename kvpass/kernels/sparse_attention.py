@@ -565,7 +565,9 @@ def segments_decode_attention(
         if idx is not None and idx.shape[2]:
             parts.append(idx.long())
         return cpu_decode.cpu_decode_attention(q, k, v, torch.cat(parts, dim=2), scale)
-    qg = q.reshape(B, H_kv, H_q // H_kv, D)
+    # this aten op reads q as if its last dim were contiguous (torch 2.13): a q the graph laid out
+    # otherwise (batch > 1, e.g. beam search) gave garbage or NaN
+    qg = (q if q.stride(-1) == 1 else q.contiguous()).reshape(B, H_kv, H_q // H_kv, D)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     parts = [flash(qg, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, scale=scale) for lo, hi in segments]
     if idx is not None and idx.shape[2]:

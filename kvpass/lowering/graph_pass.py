@@ -133,6 +133,7 @@ class KVPassGraphPass(CustomGraphPass):
             new = self._rewrite_owned(graph, m, site)
         else:
             new = self._rewrite_plain(graph, m, site)
+        new = self._match_layout(graph, m, new)
         m.new = new
         m.out.replace_all_uses_with(new)
         if m.out is not m.sdpa:
@@ -171,6 +172,35 @@ class KVPassGraphPass(CustomGraphPass):
 
     def _insert(self, graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
         return insert_node(graph, before, target, args, meta_from)
+
+    @staticmethod
+    def _match_layout(graph: fx.Graph, m: SiteMatch, new: fx.Node) -> fx.Node:
+        """``new`` (the op's contiguous (B, H_q, T, D)) copied into the memory layout of the SDPA output it
+        replaces, where they differ: CUDA's flash and efficient kernels return (B, T, H_q, D) memory, and
+        the graph after them views it as such (``transpose(1, 2)`` then ``view``: no copy). Found by the
+        simulated CUDA device (kvpass/simcuda.py). A CPU prefill's SDPA output is (B, T, H_q, D) memory
+        too: Inductor's CPU lowering copied where the view could not be taken, but the graph was ill-typed
+        (an FX run of it fails). Decode steps (T = 1) have one layout: nothing is inserted there."""
+        ref, got = _val(m.out), _val(new)
+        if not (isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor)) or ref.dim() != got.dim():
+            return new
+
+        def hint(x) -> int:
+            return x.node.hint if isinstance(x, torch.SymInt) and x.node.hint is not None else int(x)
+
+        wide = [i for i in range(ref.dim()) if hint(ref.shape[i]) != 1]
+        if all(hint(ref.stride(i)) == hint(got.stride(i)) for i in wide):
+            return new
+        order = sorted(range(ref.dim()), key=lambda i: (-hint(ref.stride(i)), i))  # outermost first
+        inverse = sorted(range(ref.dim()), key=lambda i: order[i])
+        aten = torch.ops.aten
+        p = insert_node(graph, m.sdpa, aten.permute.default, (new, order), m.sdpa)
+        with graph.inserting_before(m.sdpa):
+            c = graph.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+        c.meta.update({k: v for k, v in p.meta.items() if k != "val"})
+        c.meta["val"] = _fake_value(lambda t: aten.clone.default(t, memory_format=torch.contiguous_format),
+                                    (p,))
+        return insert_node(graph, m.sdpa, aten.permute.default, (c, inverse), m.sdpa)
 
     def _insert_prefetches(self, graph: fx.Graph, sites: list[SiteMatch], rows: list[dict]) -> None:
         """TailorKV: before each owned site's fetch, a ``kvpass::prefetch`` fed with the site's query

@@ -24,6 +24,7 @@ selected in the last ``cache_steps`` steps; each step's ``kvpass::fetch`` copies
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -137,8 +138,11 @@ class DeviceTier:
         hk, hv = host_k.flatten(0, 1), host_v.flatten(0, 1)
         m_row = (miss_i // n).to(hk.device)
         m_pos = idx.reshape(-1)[miss_i].to(hk.device)
-        rows_k = hk[m_row, m_pos].to(dev, non_blocking=True)
-        rows_v = hv[m_row, m_pos].to(dev, non_blocking=True)
+        # the gathered rows are fresh pageable memory: the copy is synchronous on a GPU (non_blocking=True
+        # promised an overlap it did not have; the simulated device flags it). A pinned staging ring would
+        # make it asynchronous on the side stream.
+        rows_k = hk[m_row, m_pos].to(dev)
+        rows_v = hv[m_row, m_pos].to(dev)
         ring_k.index_copy_(0, dst[miss_i], rows_k)
         ring_v.index_copy_(0, dst[miss_i], rows_v)
         self.seen.scatter_(2, idx, self.step)
@@ -188,6 +192,14 @@ class ClusterState(SiteState):
 
     def host_bytes(self) -> int:
         return self.store.nbytes() if self.offloading else 0
+
+    def attend_all(self, call: AttentionCall) -> torch.Tensor:
+        if call.k.device != call.q.device:
+            # offload, a context the budget covers: every token comes from the host tier (at most a
+            # budget's worth, the bytes a selection would move)
+            dev = call.q.device
+            call = dataclasses.replace(call, k=call.k_logical.to(dev), v=call.v_logical.to(dev))
+        return super().attend_all(call)
 
     def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
         if self.offloading and not owned:

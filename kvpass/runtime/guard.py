@@ -119,11 +119,13 @@ class GuardedGraph:
         if not sites:
             return out
         res = list(out)
+        held = set()  # one stub per site holds its sequence (the key and value stubs go into one cache)
         for i, t in enumerate(res):
             if (isinstance(t, torch.Tensor) and type(t) is not CacheStub and t.dim() == 4 and t.shape[2]
                     and t.stride(2) == 0):
                 site = sites.get(t.untyped_storage().data_ptr())
                 state = self.runtime.sites.get(site) if site is not None else None
                 if state is not None:
-                    res[i] = as_cache_stub(t, (site, state, state.epoch))
+                    res[i] = as_cache_stub(t, (site, state, state.epoch), hold=site not in held)
+                    held.add(site)
         return res if isinstance(out, list) else type(out)(res)

@@ -12,7 +12,8 @@ import dataclasses
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -326,6 +327,9 @@ class SiteState:
         # a state that is not rows_native serves this left-padded sequence itself (serves_padded said so
         # where it started); set by kvpass.runtime.rows at every start, kept by reset()
         self.in_place = False
+        # the Runtime that holds this state (set by Runtime.state(); None for a padded batch's row states,
+        # which hold no stubs): told when the last stub of this site's sequence is dropped (hold())
+        self.owner: Callable[[], Runtime | None] | None = None
         self.reset()
 
     # -- the runtime's entry points: the policy's own step, or one state per row of a padded batch --
@@ -405,6 +409,49 @@ class SiteState:
         self.keys_seen = 0  # keys [0, keys_seen) were checked for NaN/Inf or passed on purpose (check_keys)
         self.tail_key: torch.Tensor | None = None  # (B, H_kv, D) the newest key of a model-kept cache
         self.dense_path: bool | None = None  # the CPU attention path of the last step (choose_dense)
+        # weak references to the model-cache stubs of this sequence (hold()); dropping the set here
+        # drops their callbacks with it: an older sequence's stubs can no longer release this one
+        self._live: set[weakref.ref] = set()
+        self._reaper: Callable[[weakref.ref], None] | None = None
+        self.released_row: dict[str, Any] | None = None  # report() row of a sequence released (release())
+
+    def hold(self, stub: torch.Tensor, epoch: int) -> None:
+        """Count ``stub`` (a :class:`~kvpass.runtime.store.CacheStub` of this site's sequence ``epoch``,
+        handed to the model's cache or derived from one by a row move) as a holder of the sequence: when
+        the last one is garbage-collected (the model's cache was dropped: ``generate()`` returned, a
+        request ended), the runtime releases the site's keys, values and metadata (:meth:`release`). A
+        dropped cache cannot come back, so nothing it could still ask for is lost. One weak reference
+        per stub, no host sync."""
+        if epoch != self.epoch or self.owner is None:
+            return
+        if self._reaper is None:
+            self._reaper = _reaper(self.owner, weakref.ref(self), epoch)
+        self._live.add(weakref.ref(stub, self._reaper))
+
+    def release(self, keep_row: bool = True) -> None:
+        """Drop this site's sequence: its keys, values (both tiers) and metadata are freed, and a stub
+        of it given to a graph later is refused (the epoch moves on). ``keep_row``: ``report()`` keeps
+        the sequence's row as it ended (marked ``released``; :meth:`report_row`)."""
+        row = None
+        if keep_row and (self.length or self.prefill_calls or self.decode_calls):
+            from torch.utils._mode_utils import no_dispatch
+
+            # A garbage collection runs this wherever it happens, also while dynamo traces another model
+            # under a fake-tensor mode: the row's few reductions run on the real tensors, outside any mode.
+            try:
+                with no_dispatch(), torch._C.DisableTorchFunction():
+                    row = self.row()
+            except Exception:  # noqa: BLE001  (a weakref callback: the report loses the row, memory is freed)
+                row = None
+        self.reset()
+        self.store.clear()
+        self.released_row = row
+
+    def report_row(self) -> dict[str, Any]:
+        """:meth:`row`, or the row of the released sequence as it ended (nothing of it is held now)."""
+        if self.released_row is not None and not self.length:
+            return {**self.released_row, "released": True}
+        return self.row()
 
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
@@ -628,6 +675,8 @@ class SiteState:
             "tokens_attended": self.tokens_attended(),
             "device_bytes": self.kv_bytes + self.metadata_bytes(),
             "host_bytes": self.host_bytes(),
+            # KV heads of the runtime-owned buffers (0: none), kept in the row of a released sequence
+            "store_heads": self.store.k.shape[1] if self.store.k is not None else 0,
             "selection_bytes": self.selection_bytes(),
             "bytes_moved": self.bytes_moved,
             "steps": self.steps,
@@ -654,6 +703,9 @@ class Runtime:
         from kvpass.runtime.adopt import Adoption
 
         self.adoption = Adoption()  # layers handed over by backend.adopt(), waiting for their first step
+        # stubs dropped while the lock was held (a garbage collection inside a step): released at the
+        # next stub() or report
+        self._dead: list[tuple[SiteState, int]] = []
         # key: what the graphs depend on (the backend passes policy and options); see registry
         self.handle = registry.register(self, policy.key() if key is None else key)
 
@@ -668,7 +720,45 @@ class Runtime:
             st = self.sites[site] = self.policy.new_state(self.info(site))
             st.probe = self.probe
             st.shared = self.shared
+            st.owner = weakref.ref(self)
         return st
+
+    def stub_died(self, st: SiteState, epoch: int) -> None:
+        """The last stub of ``st``'s sequence ``epoch`` was garbage-collected (the weak references'
+        callback, in whatever thread dropped it; see :meth:`SiteState.hold`)."""
+        if not self._lock.acquire(blocking=False):  # this thread (or another) is inside a step
+            self._dead.append((st, epoch))
+            return
+        try:
+            self._reap(st, epoch)
+            self._drain()
+        finally:
+            self._lock.release()
+
+    def _reap(self, st: SiteState, epoch: int) -> None:
+        if self.sites.get(st.info.site) is not st or st.epoch != epoch or st._live:
+            return  # a sequence this site no longer holds (a new one started, set_policy), or held again
+        st.release()
+        if not any(s.length or s._live for s in self.sites.values()):
+            self.shared.clear()  # scratch and per-sequence decisions of every site (the workspace)
+
+    def _drain(self) -> None:
+        """Release what :meth:`stub_died` could not while the lock was held; the caller holds it."""
+        while self._dead:
+            self._reap(*self._dead.pop())
+
+    def collect(self) -> None:
+        """Apply releases deferred by a garbage collection that ran inside a step."""
+        if self._dead:
+            with self._lock:
+                self._drain()
+
+    def held_bytes(self) -> int:
+        """Bytes of every tensor this runtime's state references now (keys and values of both tiers,
+        metadata, scratch, stub bases), each storage counted once: what the backend holds in memory."""
+        self.collect()
+        with self._lock:
+            return tensor_bytes(self.sites, self.shared, self.adoption)
 
     def set_probe(self, probe) -> None:
         """``probe(state, call, idx)`` runs at every decode step before attention (None: off)."""
@@ -719,6 +809,8 @@ class Runtime:
     def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
         """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
         with self._lock:
+            if self._dead:
+                self._drain()
             stubs = self.state(site).stubs
             stub = stubs.make(new, length, past)
             if stubs.new_bases:  # bases are made once per shape: a steady step registers nothing
@@ -743,11 +835,13 @@ class Runtime:
             return self.state(site).run_prefetch(q_hat, past_k, estimated)
 
     def reset(self) -> None:
+        """Forget every site's sequence and free what it held (``backend.clear_state()``)."""
         with self._lock:
+            self._dead.clear()
             self.adoption.clear()
             self.shared.clear()
             for st in self.sites.values():
-                st.reset()
+                st.release(keep_row=False)
 
     def set_policy(self, policy: Policy) -> None:
         """Every site starts afresh under ``policy`` (the graphs are unchanged)."""
@@ -756,3 +850,47 @@ class Runtime:
             self.adoption.clear()
             self.sites.clear()
             self.shared.clear()
+
+
+def _reaper(owner: Callable[[], Runtime | None], state: Callable[[], SiteState | None], epoch: int):
+    """The weak-reference callback of a site's stubs of sequence ``epoch``: holds the runtime and the
+    state weakly, so that a stub outliving its backend keeps nothing alive."""
+
+    def died(ref: weakref.ref) -> None:
+        st = state()
+        if st is None or st.epoch != epoch:
+            return
+        live = st._live
+        live.discard(ref)
+        if not live and (rt := owner()) is not None:  # the last one: release under the runtime's lock
+            rt.stub_died(st, epoch)
+
+    return died
+
+
+def tensor_bytes(*roots: Any) -> int:
+    """Bytes of the distinct storages of every tensor reachable from ``roots`` through containers and
+    kvpass's own objects (their attributes); policies, site infos and callables are not entered."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("kvpass.") and not isinstance(obj, SiteInfo) \
+                and not hasattr(obj, "new_state"):  # a policy: configuration only
+            attrs = getattr(obj, "__dict__", None)
+            if attrs is not None:
+                stack.extend(v for k, v in attrs.items() if k not in ("owner", "policy", "info", "probe"))
+            for name in getattr(type(obj), "__slots__", ()):
+                stack.append(getattr(obj, name, None))
+    return sum(storages.values())

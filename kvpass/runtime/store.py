@@ -123,8 +123,10 @@ class CacheStub(torch.Tensor):
             args, kwargs = torch.utils._pytree.tree_map_only(CacheStub, plain, (args, kwargs))
             return func(*args, **kwargs)
         if func in _STUB_MOVES:
+            # isinstance: a device's subclass of the stub (kvpass.simcuda) carries the tag too; a moved
+            # stub without it would hold nothing, and the sequence is released when the old stubs die
             tag = next((a._kvpass_tag for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                        if type(a) is CacheStub), None)
+                        if isinstance(a, CacheStub)), None)
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
             return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: as_cache_stub(t, tag), out)
@@ -147,11 +149,16 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def as_cache_stub(t: torch.Tensor, tag: tuple | None) -> CacheStub:
+def as_cache_stub(t: torch.Tensor, tag: tuple | None, hold: bool = True) -> CacheStub:
+    """``t`` as a stub of the sequence ``tag`` names. A site's sequence lives while one of its stubs does
+    (:meth:`kvpass.runtime.state.SiteState.hold`): ``hold=False`` only for a stub that lives and dies
+    with another one that is counted (a step's value stub beside its key stub)."""
     with torch._C.DisableTorchFunctionSubclass():
         out = t.as_subclass(CacheStub)
     out.__dict__.update(t.__dict__)  # what was set on the tensor (dynamo's dynamic-dimension marks)
     out._kvpass_tag = tag
+    if hold and tag is not None and type(tag[0]) is int:  # (site, state, epoch); adopted: no site
+        tag[1].hold(out, tag[2])
     return out
 
 
@@ -159,7 +166,7 @@ def eager_read_message(func, args, kwargs) -> str:
     import torch._dynamo
 
     tag = next((a._kvpass_tag for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                if type(a) is CacheStub and a._kvpass_tag is not None), None)
+                if isinstance(a, CacheStub) and a._kvpass_tag is not None), None)
     where = ""
     if tag is not None and tag[0] == "adopted":  # kvpass.runtime.adopt
         where = f" of layer {tag[2]} (handed to backend.adopt())"
@@ -174,9 +181,10 @@ def eager_read_message(func, args, kwargs) -> str:
         "would attend garbage. Dynamo ran this step without the kvpass graph: its recompile limit was "
         f"hit (torch._dynamo.config.recompile_limit = {limit}; it counts the graphs of every model and "
         "backend compiled in this process; a generate needs 2 or 3 graphs), torch._dynamo.disable or "
-        "a graph break covers attention, or a compiled model's cache was passed to an uncompiled one. Fix: raise torch._dynamo.config.recompile_limit, call "
-        "torch._dynamo.reset() between unrelated models, keep the cache with the model that made it, "
-        "or pass own_cache=False to kvpass() (the model's cache then keeps real keys)"
+        "a graph break covers attention, or a compiled model's cache was passed to an uncompiled one. Fix: "
+        "raise torch._dynamo.config.recompile_limit, compile each model with backend.compile(model) (or "
+        "torch.compile(..., isolate_recompiles=True)), call torch._dynamo.reset() between unrelated models, "
+        "keep the cache with the model that made it, or pass own_cache=False to kvpass() (the model's cache then keeps real keys)"
     )
 
 

@@ -437,8 +437,11 @@ class TailorState(SiteState):
             self.ch = self.k_ch = None  # this step's: the next one prefetches (or, with no prefetch op, here)
             picked = idx + n_s  # k < n_mid: never -1
         if picked is not None:
-            self.sel_k = take_rows(host_k, picked).to(dev, non_blocking=True)  # (B, H_kv, k, D)
-            self.sel_v = take_rows(host_v, picked).to(dev, non_blocking=True)
+            # the gathered rows are fresh pageable memory: the copy is synchronous on a GPU, so say so
+            # (non_blocking=True from unpinned memory promised an overlap it did not have; the simulated
+            # device flags it). A pinned staging ring would make it asynchronous.
+            self.sel_k = take_rows(host_k, picked).to(dev)  # (B, H_kv, k, D)
+            self.sel_v = take_rows(host_v, picked).to(dev)
             self.bytes_moved += self.sel_k.numel() * self.sel_k.element_size() + self.sel_v.numel() * self.sel_v.element_size()
         self.plan = (n_s, picked, n_r)
 
@@ -515,10 +518,11 @@ class TailorState(SiteState):
             self.check_keys(k_all, "at prefill" if not past else
                             "of a cache filled outside kvpass (adopted at this decode step)")
             self._decide(q, k_all, scale)
+            # the prefill attends the keys where the query is (a sparse layer's store is on the host)
+            call = _make_call(q, k_all, v_all, attn_mask, scale, is_causal, length)
             if self.tier == SPARSE:
                 self.store.append(None, None, k_all, v_all)
                 k_all, v_all = self.store.views()
-            call = _make_call(q, k_all, v_all, attn_mask, scale, is_causal, length)
             if t > 1:
                 out = call.exact()  # prefill attends exactly
                 self._load(k_all, v_all, dev)
