@@ -63,7 +63,8 @@ class GuardedGraph:
             )
         try:
             adopted: list[CacheStub] = []
-            args = [self._unwrap(a, adopted) if type(a) is CacheStub else a for a in args]
+            # isinstance: a device's subclass of the stub (kvpass.simcuda) is checked as the stub is
+            args = [self._unwrap(a, adopted) if isinstance(a, CacheStub) else a for a in args]
             out = self.compiled(*args)
             if adopted:
                 self._check_adopted(adopted)
