@@ -15,9 +15,8 @@ import random
 
 import pytest
 
-pytest.importorskip("lm_eval", reason="the eval extra: pip install -e '.[eval]' (the Makefile installs it)")
-
-from kvpass.bench.lm_eval import KVPassLM, cell_stats, parse_model_args, wilson, write_page  # noqa: E402
+# the eval extra, which the Makefile installs: lm_eval missing is a failure here, not a skip
+from kvpass.bench.lm_eval import KVPassLM, cell_stats, parse_model_args, wilson, write_page
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 
