@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-dir", default=None, help="write each configuration's profile table here")
     ap.add_argument("--json", default=None, metavar="PATH", help="write all numbers to PATH")
     ap.add_argument("--markdown", default=None, metavar="PATH",
-                    help="also write what this run prints to PATH as a markdown page (docs/performance.md)")
+                    help="also write what this run prints to PATH as a markdown page (docs/results/compile-time.md)")
     args = ap.parse_args(argv)
     if args.markdown:
         sys.stdout = _Tee(sys.stdout)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvpass import kvpass
-from kvpass.bench.cli import build_policies
+from kvpass.bench.common import build_policies
 from kvpass.bench.tasks import TASKS, score
 from kvpass.models import chat_prompt, load_smollm2
 

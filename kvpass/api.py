@@ -12,9 +12,15 @@ from typing import Any
 
 import torch
 
-from kvpass.policies.base import Policy, bool_problem, policy_from_dict
+from kvpass.lowering.shards import key_shards
+from kvpass.patterns.attention import layer_of
+from kvpass.policies.base import Policy, bool_problem
+from kvpass.policies.parse import policy_from_dict
+from kvpass.runtime.adopt import adopt_cache
+from kvpass.runtime.errors import KVPassError
 from kvpass.runtime.guard import CallCount, GuardedGraph
-from kvpass.runtime.state import KVPassError, Runtime
+from kvpass.runtime.runtime import Runtime
+from kvpass.watch import backend_of_wrapper, watch
 
 __all__ = ["kvpass", "KVPassBackend", "KVPassError", "kvpass_backend", "constant_floats"]
 
@@ -57,7 +63,10 @@ class KVPassBackend:
                               ("skinny_linear", skinny_linear)):
             if (msg := bool_problem("kvpass()", option, value)) is not None:
                 raise TypeError(msg)
-        import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops, once)
+        # The compiler is loaded by the first backend, not by `import kvpass`: the graph pass is an Inductor
+        # CustomGraphPass (torch._dynamo and Inductor come with it, twice kvpass's own import time), and
+        # importing the ops registers them.
+        import kvpass.lowering.ops  # noqa: F401
         from kvpass.lowering.graph_pass import KVPassGraphPass
 
         self.policy = policy
@@ -70,7 +79,7 @@ class KVPassBackend:
         self.runtime = Runtime(policy, self._key)
         self.graphs: list = []
         self._site_ids: dict[str, int] = {}
-        self._key_shards: dict = {}  # tensor parallelism: the key projection rows this rank holds (kvpass.tp)
+        self._key_shards: dict = {}  # tensor parallelism: the key projection rows this rank holds (lowering/shards.py)
         self._heads: dict[int, str] = {}  # site -> the KV heads it holds under tensor parallelism
         self._lock = threading.Lock()
         self._busy = threading.RLock()  # held while one of this backend's graphs runs (GuardedGraph)
@@ -102,8 +111,6 @@ class KVPassBackend:
         objects say this backend compiles it, so a module compiled by several backends in turn does not
         blame the wrong one."""
         import sys
-
-        from kvpass.watch import watch
 
         frame, target = sys._getframe(1), None
         for _ in range(4):  # this property <- torch's compile wrapper <- torch.compile(model, ...)
@@ -155,9 +162,7 @@ class KVPassBackend:
         ``torch.compile(..., backend=this, mode=..., options=...)`` passes on: Inductor's (``mode=
         "reduce-overhead"`` turns CUDA graphs on, captured between the sites, docs/design.md, "CUDA
         graphs: captured between the sites"); kvpass's own options go to ``kvpass(policy, ...)``."""
-        from kvpass.lowering import graph_cache
-
-        from kvpass.tp import key_shards
+        from kvpass.lowering import graph_cache  # loaded with the graph pass (see __init__)
 
         inductor = inductor_patches(mode, options)
         self._key_shards = key_shards(gm)  # read by the pass (report() names each rank's KV heads)
@@ -202,8 +207,6 @@ class KVPassBackend:
         compiled model has its own recompile limit: a sweep compiling many backends on copies of one
         model in one process stays compiled."""
         import torch._dynamo
-
-        from kvpass.watch import backend_of_wrapper
 
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             raise KVPassError(
@@ -288,7 +291,6 @@ class KVPassBackend:
         the candidate site is a dotted suffix of this one or has it as one, the layer index is in both,
         and exactly one site qualifies (``layers.0.self_attn`` next to ``encoder.layers.0...`` and
         ``decoder.layers.0...`` is ambiguous and gets a site of its own)."""
-        from kvpass.patterns.attention import layer_of
 
         if layer is None or layer_of(path) != layer:
             return None
@@ -312,7 +314,7 @@ class KVPassBackend:
         return info
 
     def _record_graph(self, kind: str, rows: list[dict], unmatched: list, linears: int = 0) -> None:
-        from kvpass.lowering.graph_pass import GraphRecord
+        from kvpass.lowering.graph_pass import GraphRecord  # loaded with the graph pass (see __init__)
 
         self.graphs.append(GraphRecord(index=len(self.graphs), kind=kind, sites=rows, unmatched=unmatched,
                                        linears=linears))
@@ -413,8 +415,6 @@ class KVPassBackend:
         Every layer must reach a kvpass site: a layer the pass left exact raises after the step. With
         ``own_cache=False`` the model's cache keeps its keys, and ``adopt`` returns it unchanged."""
         if self.own_cache:
-            from kvpass.runtime.adopt import adopt_cache
-
             with self.runtime._lock:
                 adopt_cache(self.runtime.adoption, self.runtime, cache)
         return cache

@@ -21,6 +21,10 @@ import time
 import traceback
 from typing import Callable
 
+import kvpass
+from kvpass.simcuda import SimCuda, from_sim, sim_backend, sim_module, to_sim
+from kvpass.tailorkv import Profile, config_key
+
 __all__ = ["add_arguments", "run", "CASES", "check_case", "tiny_model"]
 
 MODES = ("b1", "pad3", "beam2")
@@ -51,9 +55,6 @@ def tiny_model(seed: int = 0):
 
 
 def _policies() -> list[tuple[str, Callable]]:
-    import kvpass
-    from kvpass.tailorkv import Profile
-
     def tailor(**kw):
         # layer 0 quantised (P above tau), layer 1 sparse: both tiers
         prof = Profile(_config_key(), "llama", ((0, 0.9), (1, 0.0)))
@@ -77,8 +78,6 @@ def _policies() -> list[tuple[str, Callable]]:
 
 
 def _config_key() -> str:
-    from kvpass.tailorkv import config_key
-
     return config_key(tiny_model().config)
 
 
@@ -135,9 +134,6 @@ class _StepMeter:
 
 def _generate(model, policy, ids, mask, mode: str, steps: int, simulated: bool):
     import torch
-
-    import kvpass
-    from kvpass.simcuda import SimCuda, from_sim, sim_backend, sim_module, to_sim
 
     torch._dynamo.reset()
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_scores=True,

@@ -14,7 +14,8 @@ import argparse
 import importlib
 import sys
 
-from kvpass.api import KVPassError
+import kvpass
+from kvpass.api import KVPassError, constant_floats
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -38,8 +39,6 @@ COMMANDS: list[tuple[str, str, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import kvpass
-
     parser = argparse.ArgumentParser(
         prog="kvpass",
         description="kvpass: a torch.compile backend that compresses the KV cache of unmodified "
@@ -77,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    from kvpass.api import constant_floats
 
     try:
         with constant_floats():  # dynamic=True compiles once, not twice (see constant_floats)

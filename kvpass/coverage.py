@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvpass import Full, kvpass
+
 __all__ = ["FAMILIES", "Family", "FamilyUnavailable", "CoverageRow", "CacheResult", "family", "build",
            "check_family", "matrix", "to_markdown", "main"]
 
@@ -177,7 +179,6 @@ def check_cache(model, cache: str, *, prompt_len: int = 12, new_tokens: int = 3,
     """Greedy generate eagerly and through ``kvpass(policy)`` (default ``Full()``); compare tokens and
     logits; collect what the pass found per compiled graph. 3 new tokens compile the prefill graph,
     the first decode graph and (DynamicCache) the decode graph with a symbolic length."""
-    from kvpass import Full, kvpass
 
     res = CacheResult(cache)
     g = torch.Generator().manual_seed(1)

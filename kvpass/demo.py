@@ -41,26 +41,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-FACT = "The secret passcode is 7391."
-ANSWER = "7391"
-QUESTION = "What is the secret passcode? Answer with the number only."
-DEPTH = 0.4
-#: What ``kvpass demo`` runs beside Full: policies of docs/decode-cost.md, each attending about 1,024 of
+from kvpass import Full, kvpass
+from kvpass.bench.common import parse_policies
+from kvpass.bench.prompts import ANSWER, FACT, QUESTION, build_prompt
+from kvpass.bench.runner import machine_info
+from kvpass.bench.timing import Stamps, answer_text, cache_from, cache_tensors, generation_config
+from kvpass.models import load_smollm2, smollm2_cache_path
+from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments, parse_policy
+from kvpass.tp import launch
+
+#: What ``kvpass demo`` runs beside Full: policies of docs/results/decode-cost.md, each attending about 1,024 of
 #: the 4,096 tokens (CentroidKV keeps a quarter of them). ClusterKV is left out of the default: at 4k on
 #: this CPU its k-means and selection cost more than the keys it skips (it decoded slower than Full in
-#: every batch-1 demo run on 2 cores; docs/decode-cost.md has its cells); ``--policies`` runs it.
+#: every batch-1 demo run on 2 cores; docs/results/decode-cost.md has its cells); ``--policies`` runs it.
 DEMO_POLICIES = "StreamingLLM(budget=1024),Quest(budget=1024),CentroidKV(cache_ratio=0.25)"
 #: ``--quick``: a 2,048-token prompt, half of it attended.
 QUICK_POLICIES = "Quest(budget=1024),CentroidKV(cache_ratio=0.5)"
 #: Sequences decoded together by default, as a server batches them: the weights are read once a step
 #: for the batch and the cache once per sequence, so what a policy skips shows in the step's time (at
-#: batch 1 on this CPU the weights are most of a step's bytes: docs/decode-cost.md).
+#: batch 1 on this CPU the weights are most of a step's bytes: docs/results/decode-cost.md).
 DEMO_BATCH = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments
-
     add_policy_arguments(p, None)
     p.add_argument("--policies", default=None, metavar="LIST",
                    help=f"comma-separated policies to run beside Full (default {DEMO_POLICIES!r}; --quick: "
@@ -83,70 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the chart of decode ms/token and bytes held per policy "
                         "(default kvpass-demo.png; '' writes none)")
     p.add_argument("--results-md", default=None, metavar="PATH",
-                   help="also write a page with the command, the machine, the table and the chart (docs/demo.md)")
+                   help="also write a page with the command, the machine, the table and the chart (docs/results/demo.md)")
     p.add_argument("--quick", action="store_true",
                    help="a short run: context 2048, 12 new tokens, two policies")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="run under tensor parallelism instead: torchrun with N CPU ranks (gloo), the model loaded "
                         "with tp_plan='auto' on each, Full and the policy compiled with kvpass on every rank, "
                         "compared with the uncompiled TP model (SmolLM2 has 3 KV heads: N=3; see docs/scale-out.md)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# The prompt
-# ---------------------------------------------------------------------------------------------------
-
-
-def _prose() -> str:
-    """About 465k characters of the Python reference manual, shipped with CPython (offline, real)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k].strip() for k in sorted(topics))
-
-
-def build_prompt(tokenizer, context: int, depth: float = DEPTH) -> tuple[str, int, int]:
-    """A chat prompt of at most ``context`` tokens (a few less at worst) with :data:`FACT` as its own
-    paragraph at about ``depth`` of the prose.
-
-    Returns ``(text, n_tokens, fact_token_position)``. The fact goes in at the paragraph break (or,
-    failing that, the sentence end) just before the requested depth, so no sentence is cut in half.
-    """
-    from kvpass.models import chat_prompt
-
-    def n_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def assemble(before: str, after: str) -> str:
-        return chat_prompt(tokenizer, f"{before}\n\n{FACT}\n\n{after}\n\n{QUESTION}")
-
-    overhead = n_tokens(assemble("", ""))
-    prose = _prose()
-    need = context - overhead
-    if need < 64:
-        raise ValueError(f"kvpass: demo needs --context >= {overhead + 64} tokens, got {context}")
-    enc = tokenizer(prose[: need * 8], add_special_tokens=False, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
-    if len(offsets) < need:
-        raise ValueError(
-            f"kvpass: demo's filler prose holds about {len(offsets)} tokens; use --context <= "
-            f"{len(offsets) + overhead}"
-        )
-    cut = offsets[int(need * depth)][0]
-    for sep in ("\n\n", ". "):
-        at = prose.rfind(sep, 0, cut)
-        if at > 0 and cut - at < 2000:
-            cut = at + len(sep)
-            break
-    # Joining changes the token count by a few; shrink the tail until the prompt fits.
-    for _ in range(8):
-        end = offsets[need - 1][1]
-        text = assemble(prose[:cut].strip(), prose[cut:end].strip())
-        total = n_tokens(text)
-        if total <= context:
-            break
-        need -= total - context
-    fact_at = n_tokens(text[: text.index(FACT)])
-    return text, total, fact_at
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,7 +132,6 @@ WARMUP_TOKENS = 64
 
 def prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The keys and values of ``ids (1, n)`` but its last token, from the model's own forward."""
-    from kvpass.bench.timing import cache_tensors
 
     with torch.inference_mode():
         out = model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)
@@ -270,7 +215,6 @@ def _generate(model, ids, kv, new_tokens: int, backend, stamps=None, batch: int 
     """Greedy ``generate`` of ``new_tokens`` after ``ids (1, n)`` from the cache ``kv`` of all but its
     last token, as a batch of ``batch`` copies, handed to ``backend`` first
     (:meth:`~kvpass.api.KVPassBackend.adopt` copies it into the runtime, so ``kv`` is left as it is)."""
-    from kvpass.bench.timing import cache_from, generation_config
 
     ids = ids.expand(batch, -1)
     kv = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in kv]
@@ -289,9 +233,6 @@ def run_policy(model, tokenizer, ids: torch.Tensor, kv, warm_kv, policy, new_tok
     CentroidKV), its graphs are reused through ``set_policy`` and nothing is compiled again; otherwise
     dynamo is reset and a new backend compiles. Returns ``(result, compiled)``."""
     import warnings
-
-    from kvpass import kvpass
-    from kvpass.bench.timing import Stamps, answer_text
 
     name = short_name(policy)
     fwd = model.forward
@@ -451,9 +392,6 @@ def write_png(results: list[Result], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpass.bench.decode_cost import parse_policies
-    from kvpass.policies.parse import DEFAULT_POLICY, parse_policy
-
     context = args.context if args.context is not None else (2048 if args.quick else 4096)
     new_tokens = args.new_tokens if args.new_tokens is not None else (12 if args.quick else 16)
     if new_tokens < 2:
@@ -474,7 +412,6 @@ def run(args: argparse.Namespace) -> int:
         policies = parse_policies(args.policies or (QUICK_POLICIES if args.quick else DEMO_POLICIES))
         if args.budget is not None:
             policies = [parse_policy(p.describe(), budget=args.budget) for p in policies]
-    from kvpass import Full
 
     policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
     threads = torch.get_num_threads()
@@ -494,7 +431,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_tp(ranks: int, policy, context: int, new_tokens: int) -> int:
     """``kvpass demo --tp N``: the demo's prompt through :mod:`kvpass.tp` on N torchrun ranks."""
-    from kvpass.tp import launch
 
     if ranks < 1:
         raise ValueError(f"kvpass: demo --tp needs N >= 1 ranks, got {ranks}")
@@ -521,8 +457,6 @@ def _busy_hint() -> str:
 
 def _run(policies, context: int, new_tokens: int, png: str, results_md: str | None = None,
          fresh_prefill: bool = False, cache_dir: str | None = None, batch: int = 1) -> int:
-    from kvpass.models import load_smollm2, smollm2_cache_path
-
     t_start = time.perf_counter()
     nt = torch.get_num_threads()
     print(f"kvpass demo: SmolLM2-135M-Instruct, CPU fp32, {nt} thread{'s' * (nt != 1)}, "
@@ -584,8 +518,6 @@ def write_md(results: list[Result], path: str, png: str, n: int, new_tokens: int
     import datetime
     import shlex
     from pathlib import Path
-
-    from kvpass.bench.runner import machine_info
 
     m = machine_info()
     page = Path(path)

@@ -33,13 +33,15 @@ from pathlib import Path
 
 import torch
 
+from kvpass import KVPassError, kvpass
+from kvpass.models import chat_prompt, load_smollm2, smollm2_cache_path
+from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments, policy_from_args
+
 # kvpass::attention and its variants (kvpass::attention_owned when the runtime owns the cache).
 _CALL = re.compile(r"torch\.ops\.kvpass\.(attention\w*)\.default\(")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpass.policies.parse import DEFAULT_POLICY, add_policy_arguments
-
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny: a random 2-layer Llama (default, no download, fast); "
                         "smollm2: the bundled SmolLM2-135M-Instruct")
@@ -73,8 +75,6 @@ def tiny_model():
 
 
 def smollm2_model():
-    from kvpass.models import chat_prompt, load_smollm2, smollm2_cache_path
-
     # Progress output only for the one-time conversion, not for every load.
     model, tok = load_smollm2(progress=not (smollm2_cache_path() / "kvpass.json").exists())
     text = chat_prompt(tok, "What is the capital of France?")
@@ -175,9 +175,6 @@ def _rewritten_graph_files(method: str, files: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpass import kvpass
-    from kvpass.policies.parse import policy_from_args
-
     policy = policy_from_args(args)
     if args.new_tokens < 1:
         raise ValueError(f"kvpass: explain needs --new-tokens >= 1, got {args.new_tokens}")
@@ -214,7 +211,6 @@ def run(args: argparse.Namespace) -> int:
                     f"kernel = Inductor's code; __transformed_code_* is depyf's decompiled dynamo "
                     f"bytecode, written for reading only")
         except Exception as e:  # depyf missing, or failing on this torch version
-            from kvpass.api import KVPassError
 
             if isinstance(e, (KVPassError, ValueError)):
                 raise

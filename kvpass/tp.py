@@ -1,10 +1,11 @@
-"""kvpass under tensor parallelism (torch.distributed): which KV heads a rank's sites hold, and the
-torchrun worker behind ``kvpass demo --tp N`` and ``tests/test_tp.py``.
+"""kvpass under tensor parallelism (torch.distributed): the torchrun worker behind ``kvpass demo --tp N``
+and ``tests/test_tp.py``.
 
 Under transformers' ``from_pretrained(dir, tp_plan="auto")`` the key/value projections are sharded by
 output rows (``colwise``: a DTensor placed ``Shard(0)`` on a 1-D mesh), so each rank's graph computes
-``H_kv / N`` heads and its attention sites see local shapes. The pass needs nothing for that; this
-module only names the heads a rank holds (for ``report()``), counts collectives, and runs the check.
+``H_kv / N`` heads and its attention sites see local shapes. The pass needs nothing for that; the
+library names the heads a rank holds (:mod:`kvpass.lowering.shards`, for ``report()``); this module
+counts collectives and runs the check.
 
 Run by hand (CPU, gloo)::
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import subprocess
@@ -28,72 +28,15 @@ from typing import Any, NoReturn
 import torch
 from torch import fx
 
-__all__ = ["KeyShard", "collectives", "heads_label", "key_shards", "launch", "main"]
+from kvpass import constant_floats, kvpass
+from kvpass.bench.prompts import build_prompt
+from kvpass.models import load_smollm2, smollm2_cache_path
+from kvpass.policies.parse import parse_policy
+
+__all__ = ["collectives", "launch", "main"]
 
 #: Namespaces of the collective ops that appear in dynamo and post-grad graphs.
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d")
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyShard:
-    """The rows of one attention module's key projection that this rank holds."""
-
-    rank: int
-    world: int
-    rows: int  # global output features (H_kv * head_dim)
-    offset: int  # first global row held here
-    local: int  # rows held here
-
-
-def key_shards(gm: fx.GraphModule) -> dict[str, KeyShard]:
-    """``{attention module path: KeyShard}`` for the key projections of a dynamo graph whose weight is
-    a DTensor sharded by rows (exactly ``Shard(0)``) on a 1-D mesh; empty when there is none.
-
-    The weight's owner is found by where the graph uses it: a node inside ``<attn>.k_proj``'s forward
-    (transformers' ``to_local()``, or the linear itself). Shard(0) follows ``torch.chunk``: rank r
-    holds rows ``[r * ceil(G / N), ...)``. Anything else (strided shards of a fused QKV, 2-D meshes)
-    is left out, and the report then names the rank and the local head count only."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return {}
-    from torch.distributed.tensor import DTensor, Shard
-
-    from kvpass.patterns.attention import module_path
-
-    out: dict[str, KeyShard] = {}
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("example_value")
-        if not isinstance(val, DTensor) or val.ndim != 2:
-            continue
-        mesh, placements = val.device_mesh, tuple(val.placements)
-        if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
-            continue
-        owners = {module_path(u) for u in node.users}
-        owners = {p[: -len(".k_proj")] for p in owners if p.endswith(".k_proj")}
-        if len(owners) != 1:
-            continue
-        rank, world, rows = mesh.get_local_rank(), mesh.size(), int(val.shape[0])
-        chunk = -(-rows // world)
-        offset = min(rank * chunk, rows)
-        out[owners.pop()] = KeyShard(rank, world, rows, offset, min(chunk, rows - offset))
-    return out
-
-
-def heads_label(shard: KeyShard | None, local_heads: int, head_dim: int) -> str:
-    """``"2-3 of 4"`` (this rank's KV heads of the model's) when the key projection's shard accounts
-    for exactly the heads the site sees; ``"2 local, rank 1 of 2"`` when only the process group is
-    known; ``""`` in a single process."""
-    if shard is not None and shard.local == local_heads * head_dim and shard.offset % head_dim == 0 \
-            and shard.rows % head_dim == 0:
-        first = shard.offset // head_dim
-        heads = f"{first}" if local_heads == 1 else f"{first}-{first + local_heads - 1}"
-        return f"{heads} of {shard.rows // head_dim}"
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            return f"{local_heads} local, rank {torch.distributed.get_rank()} of {world}"
-    return ""
 
 
 def collectives(graph: fx.Graph) -> dict[str, int]:
@@ -152,8 +95,6 @@ def _prompt(model_name: str, folder: str, length: int) -> tuple[torch.Tensor, An
         return torch.randint(3, 128, (1, length), generator=g), None
     from transformers import AutoTokenizer
 
-    from kvpass.demo import build_prompt
-
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     text, _, _ = build_prompt(tok, length)
     return tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"], tok
@@ -204,7 +145,6 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from torch._inductor.compile_fx import compile_fx
     from transformers import AutoModelForCausalLM
 
-    from kvpass import kvpass
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()
 
@@ -217,8 +157,6 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0 and not (Path(folder) / "config.json").exists():
             _tiny_llama(folder, args.kv_heads)
     else:
-        from kvpass.models import load_smollm2, smollm2_cache_path
-
         if rank == 0:
             load_smollm2(progress=False)  # converts the bundled GGUF once, if not yet cached
         folder = str(smollm2_cache_path())
@@ -330,7 +268,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
                         "graph only; default 0: none)")
     p.add_argument("--json", help="rank 0 writes every rank's results here")
     args = p.parse_args(argv)
-    from kvpass.policies.parse import parse_policy
 
     args.policies = [parse_policy(spec) for spec in args.policy or ["Full()"]]  # a bad spec fails at once
     if args.model == "tiny" and not args.dir:
@@ -342,8 +279,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
     faulthandler.enable()  # a rank that aborts prints where (Python frames of every thread)
     dist.init_process_group("gloo")
     try:
-        from kvpass.api import constant_floats
-
         with constant_floats():
             res = _worker(args)
         gathered: list = [None] * dist.get_world_size()

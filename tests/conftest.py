@@ -132,7 +132,7 @@ class CompiledSmolLM2:
 
     def __init__(self, smollm2):
         from kvpass import Full, kvpass
-        from kvpass.demo import build_prompt
+        from kvpass.bench.prompts import build_prompt
 
         self.model, self.tokenizer = smollm2.model, smollm2.tokenizer
         self.backend = kvpass(Full(), strict=True)

@@ -16,7 +16,7 @@ import torch
 
 from kvpass.bench import decode_cost as dc
 from kvpass.bench import paired
-from kvpass.bench.cli import tiny_model
+from kvpass.bench.common import tiny_model
 from kvpass.bench.runner import load_results
 
 CONTEXTS, BATCH_CONTEXT, STEPS, WARMUP, BUDGET = [32, 96], 64, 3, 2, 48

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from kvpass import CentroidKV, ClusterKV
-from kvpass.bench.cli import build_policies, split_specs
+from kvpass.bench.common import build_policies, split_specs
 from kvpass.bench.report import markdown_table
 from kvpass.bench.runner import KERNELS, PERPLEXITY, RESULTS, load_results
 from kvpass.cli import main

@@ -12,7 +12,7 @@ import torch
 
 from kvpass import CentroidKV, Quest
 from kvpass.bench import throughput as tp
-from kvpass.bench.cli import tiny_model
+from kvpass.bench.common import tiny_model
 from kvpass.bench.runner import load_results
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvpass.bench import decode_cost as dc
-from kvpass.bench.cli import tiny_model
+from kvpass.bench.common import tiny_model
 from kvpass.bench.runner import load_results
 
 CONTEXTS, BATCH_CONTEXT = [64, 320], 64

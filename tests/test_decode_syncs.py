@@ -12,7 +12,7 @@ from tiny import prompt, tiny_llama
 
 from kvpass import (CentroidKV, ClusterKV, Full, Quest, StreamingLLM, TailorKV, kvpass)
 from kvpass.bench.syncs import OpLog
-from kvpass.runtime.state import SiteInfo
+from kvpass.runtime.call import SiteInfo
 
 STEPS = 16
 # ops that only make views (no kernel): `t[:, :n]` is a slice or, when n is the whole dim, an alias

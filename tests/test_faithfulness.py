@@ -67,11 +67,12 @@ def test_oracle_catches_a_step_without_the_newest_token(compiled_tiny, one_threa
 def test_oracle_catches_a_step_that_reads_one_row_short(compiled_tiny, one_thread, monkeypatch):
     """Full's exact step reads the cache one row short (the newest token's): the output differs from
     attention over every position."""
-    from kvpass.runtime.state import SiteState, _make_call
+    from kvpass.runtime.call import make_call
+    from kvpass.runtime.state import SiteState
 
     def short(self, call):
         n = call.length - 1
-        return _make_call(call.q, call.k[:, :, :n], call.v[:, :, :n], None, call.scale, False, n).exact()
+        return make_call(call.q, call.k[:, :, :n], call.v[:, :, :n], None, call.scale, False, n).exact()
 
     monkeypatch.setattr(SiteState, "attend_all", short)
     oracle = _check(compiled_tiny, Full())
@@ -128,7 +129,7 @@ def test_oracle_refuses_to_watch_twice(compiled_tiny):
 @pytest.mark.slow
 def test_smollm2_8k_every_policy_is_faithful(smollm2):
     """The issue's setting: SmolLM2 at 8k, 32 decode steps, each policy at 1024 kept tokens."""
-    from kvpass.bench.cli import calibrate_policies
+    from kvpass.bench.common import calibrate_policies
     from kvpass.bench.fidelity import prose_prompts
 
     ids = prose_prompts(smollm2.tokenizer, 8192, 1)[0]

@@ -1,6 +1,6 @@
 """Right or loud (invariant 9): every way a step can leave the kvpass graph ends in the reference tokens
 or a KVPassError naming the fix, never in different tokens without an error. The triggers live in
-kvpass.bench.faults, which also writes docs/reliability.md from the same runs."""
+kvpass.bench.faults, which also writes docs/results/reliability.md from the same runs."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_backend_compile_runs_generate_compressed_and_reports():
 
 def test_a_static_cache_other_than_the_sequence_own_is_rebuilt_from_not_continued():
     # two static caches stepping in turn on one site: the second must not decode from the first's metadata
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime import Runtime
 
     torch.manual_seed(0)
     q = torch.randn(1, 4, 1, 16)
@@ -119,7 +119,7 @@ def test_a_static_cache_other_than_the_sequence_own_is_rebuilt_from_not_continue
 
 def test_steps_a_site_never_saw_rebuild_its_metadata_from_the_cache():
     # a cache the model keeps grew by a step that ran eagerly: the next step folds it in, as an adoption
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime import Runtime
 
     torch.manual_seed(0)
     k = torch.randn(1, 2, 64, 16)
@@ -137,7 +137,7 @@ def test_steps_a_site_never_saw_rebuild_its_metadata_from_the_cache():
 def test_a_model_kept_cache_of_another_sequence_of_equal_length_is_refused():
     # own_cache=False (a DynamicCache: no cache_position): two sequences of equal length stepping in turn on one site. Their lengths agree;
     # the newest key the site saw does not, so the step raises instead of using the other's metadata.
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime import Runtime
 
     torch.manual_seed(0)
     ks = [torch.randn(1, 2, 64, 16) for _ in range(2)]
@@ -158,7 +158,7 @@ def test_a_model_kept_cache_of_another_sequence_of_equal_length_is_refused():
 def test_a_model_kept_cache_shorter_than_the_site_saw_rebuilds_its_metadata():
     # own_cache=False: a second sequence continues a copy of a shared prefix after the first decoded
     # past it. The site's metadata describes the first one's longer cache: it is rebuilt from this one.
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime import Runtime
 
     torch.manual_seed(0)
     k = torch.randn(1, 2, 64, 16)

@@ -239,7 +239,7 @@ def test_decode_step_returns_none_where_it_does_not_serve():
 def test_a_cache_stub_is_refused_not_read():
     # the kernel reads memory past __torch_function__: a stub must take the torch path, which raises
     from kvpass.kernels.sparse_attention import sparse_decode_attention_ref
-    from kvpass.runtime.state import KVPassError
+    from kvpass.runtime.errors import KVPassError
     from kvpass.runtime.store import as_cache_stub, make_stub
 
     q, k_new = torch.randn(1, 6, 64), torch.randn(1, 3, 1, 64)
@@ -252,7 +252,7 @@ def test_a_cache_stub_is_refused_not_read():
 @pytest.mark.parametrize("kind", ["none", "bool", "float", "shared"])
 def test_fulls_grouped_decode_equals_sdpa_with_its_mask(kind):
     # Full's exact one-token step (padding masks as the kernel's bias) against SDPA with enable_gqa
-    from kvpass.runtime.state import _grouped_decode
+    from kvpass.runtime.call import _grouped_decode
 
     gen = torch.Generator().manual_seed(5)
     B, S = 3, 50

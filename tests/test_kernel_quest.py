@@ -341,12 +341,12 @@ def test_top_pages_cpu_sorts_where_the_partition_rounds_run_out(rounds):
     import ctypes
 
     from kvpass.kernels import native
-    from kvpass.kernels.quest import _TOP_SOURCE, QuestStep
+    from kvpass.kernels.quest import QuestArgs, QuestStep, _top_lib
 
-    source = _TOP_SOURCE.replace("#define SELECT_ROUNDS 64", f"#define SELECT_ROUNDS {rounds}")
-    assert source != _TOP_SOURCE
-    few = native.function(f"quest_select_rounds{rounds}", source, "kvpass_quest_select_packed", [ctypes.c_void_p])
-    assert few is not None
+    assert "#define SELECT_ROUNDS 64" in (native.CSRC / "quest.c").read_text()  # the default a build overrides
+    few = native.function("quest", "kvpass_quest_select", [ctypes.POINTER(QuestArgs)],
+                          defines={"SELECT_ROUNDS": rounds})
+    assert few is not None and few is not _top_lib()  # a library of its own
     for seed, (scored, n, levels) in enumerate([(700, 63, 3), (300, 150, 1), (513, 1, 3), (90, 89, 3)]):
         q, meta = _few_values_inputs(2, 3, 3, 64, scored, levels, seed)
         q = q + torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)) * (seed % 2)  # some distinct

@@ -354,7 +354,7 @@ def test_workspace_reuse_gives_the_same_output_and_never_aliases_it(monkeypatch)
     from kvpass.kernels.sparse_attention import segments_decode_attention
 
     monkeypatch.setattr(cpu_decode, "supports", lambda *a: False)
-    from kvpass.runtime.state import Workspace
+    from kvpass.runtime.workspace import Workspace
 
     ws = Workspace()
     gen = torch.Generator().manual_seed(3)

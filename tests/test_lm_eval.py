@@ -188,6 +188,14 @@ def test_cell_stats_and_page(tmp_path):
     page = write_page(rows, tmp_path / "p.md", "kvpass bench --lm-eval niah_single_2_prose", {"lm-eval": "0.4.13"})
     text = page.read_text()
     assert "    kvpass bench --lm-eval niah_single_2_prose" in text and "lm-eval 0.4.13" in text
-    assert "| niah_single_2_prose | 4096 | `Full()` | 0.750 | [0.301, 0.954] | 4 | no | 3900.0 | 80 |" in text
+    assert "| niah_single_2_prose | 4096 | `Full()` | lm-eval | 0.750 | [0.301, 0.954] | 4 | no | 3900.0 | 80 |" in text
     assert f"[{frac['ci_low']:.3f}, {frac['ci_high']:.3f}]* | 3 | yes" in text
+    assert "loops on the" not in text  # no agreement line without a run of each loop
     json.dumps(rows)  # rows stay JSON (they go to lm_eval.jsonl)
+
+    shared = dict(rows[0], mode="shared prefill")
+    page = write_page(rows + [shared], tmp_path / "q.md", "cmd", agreement={"n": 8, "same_score": 1.0,
+                                                                          "same_text": 0.875})
+    text = page.read_text()
+    assert "| `Full()` | shared prefill | 0.750 |" in text
+    assert "on the 8 (policy, sample) pairs both ran: equal score on 1.000 of them, equal answer text on 0.875" in text

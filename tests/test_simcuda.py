@@ -34,7 +34,7 @@ def test_an_op_mixing_devices_fails_naming_the_op():
 
 def test_a_tensor_moved_to_the_host_inside_a_decode_step_fails_it(monkeypatch):
     """The runtime's attention moving the query to the host and computing with it: the step fails."""
-    from kvpass.runtime import state
+    from kvpass.runtime import runtime as state
 
     orig = state.Runtime.attend_owned
 

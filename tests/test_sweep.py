@@ -142,7 +142,7 @@ def test_a_release_during_another_models_trace_computes_outside_the_fake_mode():
     fake-tensor mode: the released row's reductions run on the real tensors, and the memory is freed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime import Runtime
 
     rt = Runtime(Quest(budget=16, page_size=8), "test_sweep")
     st = rt.state(0)

@@ -24,7 +24,7 @@ from tiny import generate, prompt, tiny_llama
     "kw, match",
     [
         ({"quant_bits": 3}, "quant_bits 1 or 2"),
-        ({"group_size": 12}, "multiple of 8 // quant_bits = 8"),
+        ({"quant_bits": 1, "group_size": 12}, "multiple of 8 // quant_bits = 8"),
         ({"quant_bits": 2, "group_size": 6}, "multiple of 8 // quant_bits = 4"),
         ({"residual": 96}, "residual to be a multiple of group_size"),
         ({"residual": 32}, "residual >= 64"),
@@ -273,7 +273,7 @@ def test_quantised_layer_equals_attention_over_the_hand_quantised_cache(bits):
 
 
 def test_one_bit_layer_holds_a_tenth_of_fp16_with_scales():
-    policy = TailorKV(profile="auto", tau=-0.0)
+    policy = TailorKV(profile="auto", tau=-0.0, quant_bits=1)
     rt = Runtime(policy)
     prefill_then_decode(policy, b=1, hkv=3, g=3, d=64, length=1024, steps=1, owned=True, rt=rt)
     st_ = rt.state(0)
@@ -412,7 +412,7 @@ def test_reordered_site_equals_a_site_fed_each_rows_history(tier, rows):
 
     if tier == "sparse":
         pol = TailorKV(sparse_budget=40, static_tokens=12, sinks=4, critical_channels=3)
-    else:  # every layer 1-bit; 22 tokens in the residual, flushed at the 10th step (after both reorders)
+    else:  # every layer quantised (2 bits); 22 tokens in the residual, flushed at the 10th step (after both reorders)
         pol = TailorKV(profile="auto", tau=-0.0, group_size=16, residual=32)
     b, hkv, g, d, length, n, steps, again = 2, 2, 3, 16, 150, len(rows), 11, 5
     gen = torch.Generator().manual_seed(0)
@@ -527,7 +527,8 @@ def test_compressing_run_reports_tiers_traffic_and_estimate(compiled_tiny):
     assert out.shape == (1, 306)
     rows = be.report_rows()
     assert [r["tier"] for r in rows] == ["quantised", "sparse", "sparse"]
-    assert rows[0]["host_bytes"] == 0 and rows[0]["quant_ratio"] < 0.25
+    # codes of quant_bits per element plus an fp16 scale and zero per group of 16, over fp16's 2 bytes
+    assert rows[0]["host_bytes"] == 0 and rows[0]["quant_ratio"] == pytest.approx((pol.quant_bits / 8 + 4 / 16) / 2)
     for r in rows[1:]:
         assert r["tokens_attended"] == 96 and r["bytes_moved"] > 0
         assert 0.5 < r["estimate_cos"] <= 1.0  # adjacent layers' residual streams are similar

@@ -14,7 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from kvpass.tp import KeyShard, heads_label, launch
+from kvpass.lowering.shards import KeyShard, heads_label
+from kvpass.tp import launch
 
 RANKS = 2
 KV_HEADS = 4

@@ -20,7 +20,7 @@ profiler breakdown): :mod:`kvpass.bench.decode_cost`, rows in ``OUT/decode_cost.
 
 ``--quick``: contexts 2048,4096, budgets 256,1024, tasks single_needle,multi_key_needle,
 variable_tracking, 1 sample, the 9 default policies: 54 cells; perplexity at 2048 tokens (64 scored); quick
-kernel shapes. Measured: 500 s on 2 idle cores (compile 116 s; ``kvpass bench --quick --out bench_out/quick3``),
+kernel shapes. Measured: 500 s on 2 idle cores (compile 116 s; ``kvpass bench --quick --out bench_out/quick-<date>``),
 728 s with ``--threads 1`` while another process held the other core. ``--model tiny``: a random 2-layer
 Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (structure only).
 """
@@ -28,31 +28,23 @@ Llama with SmolLM2's tokenizer, to check the suite end to end in seconds (struct
 from __future__ import annotations
 
 import argparse
-import re
-import shlex
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-GRID_POLICIES = "Full,StreamingLLM,Quest,ClusterKV,CentroidKV"
-QUICK = {
-    "contexts": "2048,4096",
-    "budgets": "256,1024",
-    "tasks": "single_needle,multi_key_needle,variable_tracking",
-    "samples": 1,
-    "perplexity": "2048",
-    "ppl_eval_tokens": 64,
-}
-DEFAULTS = {
-    "contexts": "4096,8192",
-    "budgets": "256,512,1024,2048",
-    "tasks": None,  # every task
-    "samples": 2,
-    "perplexity": "2048,4096,8192",
-    "ppl_eval_tokens": 128,
-}
+from kvpass.bench import compile_time, decode_cost, faithfulness, fidelity, grid, paired, throughput
+from kvpass.bench.grid import DEFAULTS, GRID_POLICIES, QUICK
+
+#: ``(option, the module whose run(args) measures it)``, in the order they are tried; none given: the
+#: accuracy grid (:mod:`kvpass.bench.grid`). ``--lm-eval`` comes first, imported only then (an optional
+#: extra). This module only parses and dispatches: what the modes share is in :mod:`kvpass.bench.common`.
+MODES = (
+    ("fidelity", fidelity),
+    ("faithfulness", faithfulness),
+    ("compile_time", compile_time),
+    ("throughput", throughput),
+    ("paired", paired),
+    ("decode_cost", decode_cost),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,6 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the task's max_gen_toks (RULER: 128; the answer is the first tokens)")
     e.add_argument("--chat-template", action="store_true",
                    help="lm-eval's apply_chat_template: each prompt as one user turn of the model's chat template")
+    e.add_argument("--shared-prefill", action="store_true",
+                   help="prefill each sample once, exactly, and continue every policy from that cache at batch 1, "
+                        "scored by lm-eval's task code (kvpass.bench.ruler), instead of lm-eval's own loop")
     f = p.add_argument_group("fidelity", "kvpass bench --fidelity: top-1 agreement with Full and KL(Full || policy) "
                                          "of the next token, teacher-forced on Full's greedy continuation of pydoc "
                                          "prose (kvpass.bench.fidelity); --contexts (default 4096), --policies "
@@ -182,252 +177,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in OUT/faithfulness.jsonl; exit status 1 when a step fails)")
 
 
-def split_specs(text: str) -> list[str]:
-    """Split ``"Full,Quest(budget=1, page_size=2)"`` on the commas outside parentheses."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur).strip())
-    return [s for s in out if s]
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"kvpass: --{what} needs comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"kvpass: --{what} needs positive integers, got {text!r}")
-    return vals
-
-
-def build_policies(specs: str, budgets: list[int]):
-    """Full plus every non-Full spec × every budget (``parse_policy(spec, budget=b)``); a spec that sets
-    its own ``budget`` or ``cache_ratio`` is taken as it is."""
-    from kvpass.policies.parse import parse_policy
-    from kvpass.policies.full import Full
-
-    out = [Full()]
-    for spec in split_specs(specs):
-        p = parse_policy(spec)
-        if isinstance(p, Full):
-            continue
-        if re.search(r"\b(budget|sparse_budget|cache_ratio)\s*=", spec):
-            if p not in out:
-                out.append(p)  # the spec fixes its own budget: not swept
-            continue
-        for b in budgets:
-            q = parse_policy(spec, budget=b)
-            if q not in out:
-                out.append(q)
-    return out
-
-
-CALIBRATION_TOKENS = 4096
-
-
-def load_for_bench(args, policies: list) -> tuple:
-    """What a measurement command starts with: the model of ``--model``, the ``--out`` folder made, and
-    ``policies`` calibrated on the model where they need it. Returns ``(model, tokenizer, model name,
-    policies, out)``."""
-    out = Path(args.out)
-    model, tok, model_name = load_model(args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    return model, tok, model_name, calibrate_policies(policies, model, tok, out, progress=not args.no_progress), out
-
-
-def calibrate_policies(policies: list, model, tokenizer, out: Path, progress: bool) -> list:
-    """Give every ``TailorKV(profile="auto")`` of the sweep one profile, computed offline as the paper
-    does (the bench's shared exact prefill would otherwise leave "auto" a single decode query to
-    score with): :func:`kvpass.tailorkv.calibrate` on the last ``CALIBRATION_TOKENS`` tokens of the
-    pydoc prose (no task and no perplexity window uses them), saved as ``OUT/tailorkv_profile.json``
-    and reused by a rerun on the same model config."""
-    import dataclasses
-
-    from kvpass.policies.tailorkv import TailorKV
-
-    need = [p for p in policies if isinstance(p, TailorKV) and p.profile == "auto"]
-    if not need:
-        return policies
-    from kvpass.bench.perplexity import topics_text
-    from kvpass.tailorkv import Profile, calibrate, config_key
-
-    path = out / "tailorkv_profile.json"
-    prof = Profile.load(path) if path.exists() else None
-    if prof is None or prof.config_key != config_key(model.config):
-        ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
-        ids = ids[:, -CALIBRATION_TOKENS:]
-        p0 = need[0]
-        prof = calibrate(model, [ids], path, tau=p0.tau, calib_queries=p0.calib_queries, calib_topk=p0.calib_topk,
-                         progress=progress)
-    if progress:
-        print(prof.describe(tau=need[0].tau), flush=True)
-    return [dataclasses.replace(p, profile=prof) if p in need else p for p in policies]
-
-
-def tiny_model(vocab_size: int, seed: int = 0):
-    """A random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, 8192 positions) for structure checks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        attn_implementation="sdpa", eos_token_id=None,
-    )
-    cfg._name_or_path = "tiny"
-    return LlamaForCausalLM(cfg).eval()
-
-
-def load_model(name: str):
-    """``(model, tokenizer, model_name)`` for ``--model``."""
-    from kvpass.models import load_smollm2, smollm2_cache_path
-
-    first = not (smollm2_cache_path() / "kvpass.json").exists()
-    model, tok = load_smollm2(progress=first)
-    if name == "tiny":
-        del model
-        return tiny_model(len(tok)), tok, "tiny"
-    return model, tok, "SmolLM2-135M-Instruct"
-
-
-def _command(args: argparse.Namespace) -> str:
-    """The command as typed when run as the ``kvpass`` script; otherwise (``main([...])`` in-process)
-    the equivalent command rebuilt from the parsed options."""
-    if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
-        return shlex.join(["kvpass"] + sys.argv[1:])
-    parts = ["kvpass", "bench", "--model", args.model, "--policies", args.policies or GRID_POLICIES]
-    for opt in ("budgets", "contexts", "tasks", "samples", "new_tokens", "perplexity", "ppl_eval_tokens",
-                "threads", "results_md"):
-        v = getattr(args, opt)
-        if v is not None:
-            parts += ["--" + opt.replace("_", "-"), str(v)]
-    if args.seed:
-        parts += ["--seed", str(args.seed)]
-    if args.haystack != "prose":
-        parts += ["--haystack", args.haystack]
-    if args.recall_every != 8:
-        parts += ["--recall-every", str(args.recall_every)]
-    if not args.kernels:
-        parts.append("--no-kernels")
-    if args.quick:
-        parts.append("--quick")
-    parts += ["--out", str(args.out)]
-    return shlex.join(parts)
-
-
 def run(args: argparse.Namespace) -> int:
+    """Run the mode ``args`` asks for: one of the groups above, else the accuracy grid."""
     if getattr(args, "lm_eval", None):
-        try:
+        try:  # lm-eval is the optional extra kvpass[eval]
             from kvpass.bench.lm_eval import run_bench as run_lm_eval
+            from kvpass.bench.ruler import run_bench_shared
         except ModuleNotFoundError as e:
             if e.name not in ("lm_eval", "wonderwords", "nltk"):
                 raise
             raise ModuleNotFoundError(f"kvpass: --lm-eval needs the optional extra: pip install 'kvpass[eval]' "
                                       f"(missing: {e.name})") from e
-        return run_lm_eval(args)
-    if getattr(args, "fidelity", False):
-        from kvpass.bench.fidelity import run as run_fidelity
-
-        return run_fidelity(args)
-    if getattr(args, "faithfulness", False):
-        from kvpass.bench.faithfulness import run as run_faithfulness
-
-        return run_faithfulness(args)
-    if getattr(args, "compile_time", False):
-        from kvpass.bench.compile_time import run as run_compile_time
-
-        return run_compile_time(args)
-    if getattr(args, "throughput", False):
-        from kvpass.bench.throughput import run as run_throughput
-
-        return run_throughput(args)
+        return run_bench_shared(args) if getattr(args, "shared_prefill", False) else run_lm_eval(args)
     if getattr(args, "paired", False) and not getattr(args, "decode_cost", False):
         raise ValueError("kvpass: --paired is a way of measuring decode cost: give it with --decode-cost")
-    if getattr(args, "decode_cost", False):
-        from kvpass.bench.decode_cost import run as run_decode_cost
+    for flag, mode in MODES:
+        if getattr(args, flag, False):
+            return mode.run(args)
+    return grid.run(args)
 
-        return run_decode_cost(args)
-    from kvpass.bench.report import markdown_table, write_results_md
-    from kvpass.bench.runner import RESULTS, load_results, run_grid
-    from kvpass.bench.tasks import all_tasks
-
-    preset = QUICK if args.quick else DEFAULTS
-    contexts = parse_ints(args.contexts or preset["contexts"], "contexts")
-    budgets = parse_ints(args.budgets or preset["budgets"], "budgets")
-    tasks_arg = args.tasks or preset["tasks"]
-    tasks = [t.strip() for t in tasks_arg.split(",") if t.strip()] if tasks_arg else all_tasks()
-    bad = [t for t in tasks if t not in all_tasks()]
-    if bad:
-        raise ValueError(f"kvpass: unknown task(s) {bad}; expected some of {all_tasks()}")
-    samples = args.samples if args.samples is not None else preset["samples"]
-    if samples < 1:
-        raise ValueError(f"kvpass: --samples needs a positive number, got {samples}")
-    if args.threads is not None:
-        n = parse_ints(str(args.threads), "threads")
-        if len(n) != 1:
-            raise ValueError(f"kvpass: the bench grid takes one --threads, got {args.threads!r} (lists are for "
-                             "--decode-cost)")
-        args.threads = n[0]
-    if args.new_tokens is not None and args.new_tokens < 2:
-        raise ValueError(f"kvpass: --new-tokens needs at least 2, got {args.new_tokens}")
-    ppl_text = args.perplexity if args.perplexity is not None else preset["perplexity"]
-    windows = [] if ppl_text.strip() == "0" else parse_ints(ppl_text, "perplexity")
-    ppl_eval = args.ppl_eval_tokens if args.ppl_eval_tokens is not None else preset["ppl_eval_tokens"]
-    if windows and not 1 <= ppl_eval < min(windows):
-        raise ValueError(f"kvpass: --ppl-eval-tokens needs 1 <= N < the smallest window, got {ppl_eval}")
-    policies = build_policies(args.policies or GRID_POLICIES, budgets)  # before the slow load: bad specs fail at once
-    command = _command(args)
-    out = Path(args.out)
-
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    try:
-        model, tok, model_name = load_model(args.model)
-        from kvpass.bench.runner import run_perplexity
-
-        out.mkdir(parents=True, exist_ok=True)
-        policies = calibrate_policies(policies, model, tok, out, progress=not args.no_progress)
-
-        def perplexities(backend, compiled):
-            run_perplexity(model, tok, policies, windows, ppl_eval, out, model_name=model_name, command=command,
-                           progress=not args.no_progress, backend=backend, compiled=compiled)
-
-        run_grid(model, tok, policies, contexts, tasks, samples, out, seed=args.seed,
-                 new_tokens=args.new_tokens, recall_every=args.recall_every, haystack=args.haystack,
-                 progress=not args.no_progress, model_name=model_name, command=command,
-                 on_done=perplexities if windows else None)
-        if args.kernels:
-            from kvpass.bench.runner import run_kernels
-
-            run_kernels(out, quick=args.quick, command=command)
-    finally:
-        torch.set_num_threads(threads)  # main() may run in-process (tests): leave torch as it was
-    from kvpass.bench.report import kernel_table, perplexity_table
-    from kvpass.bench.runner import KERNELS, PERPLEXITY
-
-    rows = load_results(out / RESULTS)
-    print()
-    print(markdown_table(rows))
-    if windows:
-        print()
-        print(perplexity_table(load_results(out / PERPLEXITY)))
-    if args.kernels:
-        print()
-        print(kernel_table(load_results(out / KERNELS)))
-    if args.results_md:
-        page = write_results_md(out, Path(args.results_md), command)
-        print(f"\nkvpass bench: wrote {page}")
-    print(f"kvpass bench: {len(rows)} cells in {out / RESULTS}; this run took {time.perf_counter() - t0:.0f} s",
-          flush=True)
-    return 0

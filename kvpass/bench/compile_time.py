@@ -2,7 +2,7 @@
 
 ::
 
-    kvpass bench --compile-time --threads 1 --out bench_out/compile     # SmolLM2: about 10 minutes idle
+    kvpass bench --compile-time --threads 1 --out bench_out/compile-time-<date>     # SmolLM2: about 10 minutes idle
 
 For plain Inductor (``torch.compile(model.forward)``) and for ``kvpass(policy)`` of each of
 ``--policies`` (default ``Full``), two fresh Python processes run one after the other on one new,
@@ -34,6 +34,13 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.common import parse_ints, split_specs, tiny_model
+from kvpass.bench.runner import machine_info
+from kvpass.bench.timing import generation_config
+from kvpass.models import load_smollm2
+from kvpass.policies.parse import parse_policy
+
 RESULTS = "compile_time.jsonl"
 DEFAULT_POLICIES = "Full"
 PROMPT_TOKENS = 64
@@ -56,8 +63,6 @@ def child(cell: dict[str, Any]) -> dict[str, Any]:
     ``new_tokens``."""
     from torch._dynamo.utils import counters
 
-    from kvpass.bench.timing import generation_config
-
     torch.set_num_threads(cell["threads"])
     model = _load(cell["model"])
     g = torch.Generator().manual_seed(0)
@@ -69,9 +74,6 @@ def child(cell: dict[str, Any]) -> dict[str, Any]:
     if cell["backend"] == INDUCTOR:
         fwd = torch.compile(model.forward)
     else:
-        from kvpass import kvpass
-        from kvpass.policies.parse import parse_policy
-
         backend = kvpass(parse_policy(cell["backend"]))
         fwd = torch.compile(model.forward, backend=backend)
     model.forward = fwd
@@ -91,10 +93,7 @@ def child(cell: dict[str, Any]) -> dict[str, Any]:
 
 def _load(name: str):
     if name == "tiny":
-        from kvpass.bench.cli import tiny_model
-
         return tiny_model(256)
-    from kvpass.models import load_smollm2
 
     model, _ = load_smollm2(progress=False)
     return model
@@ -127,7 +126,6 @@ def measure(backends: list[str], *, model: str, threads: int, prompt_tokens: int
             new_tokens: int = NEW_TOKENS, out: Path, command: str = "", progress: bool = True) -> list[dict]:
     """Cold then warm, per backend, each on a cache directory of its own; rows written to
     ``out/compile_time.jsonl``."""
-    from kvpass.bench.runner import machine_info
 
     out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info(), "threads": threads}
@@ -186,8 +184,6 @@ def table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvpass bench --compile-time`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import parse_ints, split_specs
-    from kvpass.policies.parse import parse_policy
 
     specs = split_specs(args.policies or DEFAULT_POLICIES)
     backends = [INDUCTOR] + [parse_policy(s).describe() for s in specs]  # bad specs fail at once

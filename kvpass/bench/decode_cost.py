@@ -3,7 +3,7 @@
 ::
 
     kvpass bench --decode-cost --quick                                   # smoke run: a few minutes
-    kvpass bench --decode-cost --threads 1,2 --results-md docs/decode-cost.md --out bench_out/cost
+    kvpass bench --decode-cost --threads 1,2 --results-md docs/results/decode-cost.md --out bench_out/decode-cost-<date>
     kvpass bench --decode-cost --model tiny --contexts 64,128 --batches 1,2 --threads 1   # structure only
 
 Every figure comes from ONE process, for eager Hugging Face (``model.forward`` uncompiled, DynamicCache),
@@ -88,8 +88,14 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.common import load_for_bench, parse_ints, parse_policies
+from kvpass.bench.prompts import topics_text
+from kvpass.bench.report import page_rows_and_plots
+from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
 from kvpass.bench.timing import cache_from, cache_tensors, graph_keys_kept
 from kvpass.policies.base import Policy
+from kvpass.policies.full import Full
 
 __all__ = ["DEFAULT_POLICIES", "RESULTS", "weight_bytes", "kv_bytes_per_token", "step_bytes", "measure_bandwidth",
            "breakdown", "parse_policies", "run_decode_cost", "markdown_tables", "write_decode_cost_md", "run"]
@@ -297,7 +303,6 @@ def prefill(model, tokenizer, length: int, progress: bool = False):
     the prose with the model's own forward (call under ``torch.no_grad()``), and ``first_ids(context, batch)``,
     the ``(batch, 1)`` token a cell of that context decodes first (the prose's next token, or past the
     prefill the prefill's own next token)."""
-    from kvpass.bench.perplexity import topics_text
 
     ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
     if ids.shape[1] < length + 1:
@@ -336,7 +341,6 @@ def resume(path: Path, plan: list, threads: list[int], key_of, skinny_linear: bo
     """``(results, pending)``: the rows already in ``path`` for the ``plan``'s ``(policy, context, batch)`` at
     each of ``threads`` (by ``key_of(policy, context, batch, threads)``, as :func:`cell_key` makes it), and the
     ``(threads, policy, context, batch)`` still to measure. A file of the other ``skinny_linear`` is refused."""
-    from kvpass.bench.runner import load_results
 
     existing = {cell_key(r): r for r in load_results(path)}
     if any("start_tokens" not in r for r in existing.values()):
@@ -356,7 +360,6 @@ def resume(path: Path, plan: list, threads: list[int], key_of, skinny_linear: bo
 def _plan(policies: list[Policy], contexts: list[int], batches: list[int], batch_context: int):
     """``[(policy or EAGER, context, batch)]``: by context at batch 1, by batch at ``batch_context``, and
     Full at every context up to ``batch_context`` at every batch (the floors)."""
-    from kvpass.policies.full import Full
 
     cells, seen = [], set()
     for p in [EAGER] + policies:
@@ -396,9 +399,6 @@ def run_decode_cost(
     rows of this call's cells. ``profile_batches``: the batches at ``batch_context`` whose cells get the
     profiler breakdown (default: 1 and 8, or the largest batch when 8 is not measured). ``skinny_linear``
     is passed to every ``kvpass()`` backend; an ``out_dir`` holds rows of one setting only."""
-    from kvpass import kvpass
-    from kvpass.bench.runner import _append, _model_name, machine_info, policy_budget, policy_label
-    from kvpass.policies.full import Full
 
     check_grid("decode cost", contexts, batches, steps=steps, warmup_steps=warmup_steps, rounds=rounds)
     policies = [Full()] + [p for p in policies if not isinstance(p, Full)]
@@ -598,7 +598,6 @@ def _run_cell(model, fwd, backend, policy, context, batch, prefill_kv, first_ids
         rows = s.pop("_rows")
         row.update(s)
         row["bytes_moved_per_step"] = (s["bytes_moved"] - moved0) / steps
-        from kvpass.policies.full import Full
 
         row["metadata_bytes"] = 0 if isinstance(policy, Full) else _metadata_bytes(rows, per_token, batch)
     else:
@@ -890,7 +889,7 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
             tt, bt = targets_table(trows, idx, mrows, batch_ctx), _breakdown_table(trows)
             if tt:
                 parts += ["", targets_title(tt, "F is the floor above; attention recall and accuracy at 8k are on "
-                                                "docs/results-clusterkv.md, not here"
+                                                "docs/results/clusterkv-vs-quest-8k.md, not here"
                                                 + ("; where a step's time goes: the next table" if bt else "")), ""] + tt
             if bt:
                 parts += ["", "**Where a step goes** (ms per step, profiled steps)", ""] + bt
@@ -972,7 +971,6 @@ def plot_all(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 def write_decode_cost_md(out_dir: Path, path: Path, command: str, statistic: str = "median") -> Path:
     """The generated page from ``out_dir/decode_cost.jsonl``, ms/token taken by ``statistic``
     (:func:`restat`); plots in ``<path without suffix>/``."""
-    from kvpass.bench.report import page_rows_and_plots
 
     out_dir, path = Path(out_dir), Path(path)
     rows, img_dir, pngs = page_rows_and_plots(out_dir / RESULTS, path,
@@ -1104,28 +1102,6 @@ def _kernels_label(machine: dict) -> str:
     return "C (kvpass.kernels.native)" if native else "torch (KVPASS_NATIVE=0 or no C compiler)"
 
 
-def parse_policies(text: str) -> list[Policy]:
-    """Policy specs as ``kvpass bench --decode-cost --policies`` takes them: each as given, except that
-    ``budget=N`` also works for a policy without a ``budget`` field (``StreamingLLM(budget=1024)`` is
-    ``StreamingLLM.with_budget(1024)``)."""
-    import re
-
-    from kvpass.bench.cli import split_specs
-    from kvpass.policies.parse import parse_policy
-
-    out = []
-    for spec in split_specs(text):
-        try:
-            out.append(parse_policy(spec))
-        except ValueError:
-            m = re.search(r"\bbudget\s*=\s*(\d+)\s*,?\s*", spec)
-            if m is None:
-                raise
-            rest = (spec[: m.start()] + spec[m.end():]).replace(", )", ")").replace(",)", ")").replace("()", "")
-            out.append(parse_policy(rest, budget=int(m.group(1))))
-    return out
-
-
 def _command(args: argparse.Namespace) -> str:
     if Path(sys.argv[0]).name == "kvpass" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return shlex.join(["kvpass"] + sys.argv[1:])
@@ -1143,11 +1119,10 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def run(args: argparse.Namespace) -> int:
-    """``kvpass bench --decode-cost`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import load_for_bench, parse_ints
-    from kvpass.bench.runner import load_results
-
+def settings(args: argparse.Namespace) -> tuple:
+    """``(contexts, batches, batch_context, steps, threads, policies, command)`` from the options of
+    ``kvpass bench --decode-cost`` (and ``--paired``), presets filled in; bad specs fail here, before the
+    slow load."""
     preset = QUICK if args.quick else DEFAULTS
     contexts = parse_ints(args.contexts or preset["contexts"], "contexts")
     batches = parse_ints(args.batches or preset["batches"], "batches")
@@ -1159,24 +1134,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         threads = [default_threads] if args.quick else list(dict.fromkeys([1, default_threads]))
     policies = parse_policies(args.policies or DEFAULT_POLICIES)
-    command = _command(args)
+    return contexts, batches, batch_context, steps, threads, policies, _command(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvpass bench --decode-cost`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
+    contexts, batches, batch_context, steps, threads, policies, command = settings(args)
     t0 = time.perf_counter()
     model, tok, model_name, policies, out = load_for_bench(args, policies)
-    if getattr(args, "paired", False):
-        from kvpass.bench import paired
-
-        paired.run_paired(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
-                          steps=steps, warmup_steps=args.warmup_steps, model_name=model_name, command=command,
-                          progress=not args.no_progress, skinny_linear=args.skinny_linear)
-        rows = [r for r in load_results(out / paired.RESULTS) if r["model"] == model_name]
-        print()
-        print(paired.paired_table(rows))
-        if args.results_md:
-            print(f"kvpass bench --decode-cost --paired: wrote "
-                  f"{paired.write_paired_md(out, Path(args.results_md), command)}")
-        print(f"kvpass bench --decode-cost --paired: {len(rows)} groups in {out / paired.RESULTS}; this run took "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
-        return 0
     run_decode_cost(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
                     steps=steps, warmup_steps=args.warmup_steps, profile_steps=args.profile_steps,
                     model_name=model_name, command=command, progress=not args.no_progress,

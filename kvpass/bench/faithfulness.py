@@ -44,6 +44,14 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.common import calibrate_policies, load_model, parse_ints, split_specs
+from kvpass.bench.fidelity import prose_prompts
+from kvpass.kernels.tailorkv import dequantize
+from kvpass.policies.parse import parse_policy
+from kvpass.runtime.centroidkv import CentroidState
+from kvpass.runtime.tailorkv import QUANTISED, TailorState
+
 __all__ = ["StepCheck", "Oracle", "prefill", "check_continuation", "run"]
 
 #: |out - reference| allowed per element, against a reference in fp64, for fp32 and the others
@@ -132,9 +140,6 @@ class Oracle:
 
     # -- one step ----------------------------------------------------------------------------------
     def _check(self, st, layer: int, q: torch.Tensor, k_new: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-        from kvpass.runtime.centroidkv import CentroidState
-        from kvpass.runtime.tailorkv import QUANTISED, TailorState
-
         n = self.n[layer]
         k, v = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
         b, h_q, _, d = q.shape
@@ -172,7 +177,6 @@ class Oracle:
         """TailorKV's quantised layer as the step attended it: the packed tokens dequantised, then the
         residual in full precision (from the copy). A step that filled the residual flushed it into the
         packed cache after attending: then ``residual`` fewer tokens were packed at attention time."""
-        from kvpass.kernels.tailorkv import dequantize
 
         kq, vq = st.packed.views()
         n_q = st.packed.n - (st.policy.residual if st.n_res == 0 else 0)
@@ -256,7 +260,6 @@ def check_continuation(model, policy, ids: torch.Tensor, steps: int = 32, *, bac
     :func:`prefill` returned; it is copied, not changed), then decode ``steps`` tokens greedily through
     ``kvpass(policy, **options)`` (or ``backend`` with its compiled ``fwd``, the policy swapped in with
     ``set_policy``), every step checked. Returns the :class:`Oracle`."""
-    from kvpass import kvpass
 
     if backend is None:
         backend = kvpass(policy, **options)
@@ -286,10 +289,6 @@ def run(args) -> int:
     ``--steps`` (default 32) decode steps of each policy of ``--policies`` (each as given), one prose
     prompt; rows in ``OUT/faithfulness.jsonl``, the page at ``--results-md`` (default
     ``OUT/faithfulness.md``)."""
-    from kvpass import kvpass
-    from kvpass.bench.cli import calibrate_policies, load_model, parse_ints, split_specs
-    from kvpass.bench.fidelity import prose_prompts
-    from kvpass.policies.parse import parse_policy
 
     contexts = parse_ints(args.contexts or "8192", "contexts")
     steps = args.steps if args.steps is not None else 32

@@ -9,7 +9,7 @@ Every trigger runs on a tiny random Llama (structure, not accuracy) and ends in 
 - ``error``: another exception (a bug in kvpass or in the trigger).
 
 ``tests/test_faults.py`` asserts right-or-loud for each; ``python -m kvpass.bench.faults --out
-docs/reliability.md`` runs the same triggers and writes the page.
+docs/results/reliability.md`` runs the same triggers and writes the page.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from typing import Callable
 
 import torch
 
-from kvpass.api import kvpass
+from kvpass import KVPassError, kvpass
 from kvpass.policies import Full, Policy, Quest
-from kvpass.runtime.state import KVPassError
 
 NEW = 6  # tokens generated per run
 
@@ -417,7 +416,7 @@ def write_page(outcomes: list[Outcome], path: str, command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpass.bench.faults", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/reliability.md")
+    ap.add_argument("--out", default="docs/results/reliability.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     outcomes, refs = [], {}

@@ -1,7 +1,7 @@
 """Fidelity to Full on real prose: top-1 agreement and KL divergence of the next-token distribution.
 
 A measure that needs no task (issue 53, item 3): on prompts of real English (CPython's
-``pydoc_data.topics``, :func:`kvpass.bench.perplexity.topics_text`), Full decodes ``steps`` tokens
+``pydoc_data.topics``, :func:`kvpass.bench.prompts.topics_text`), Full decodes ``steps`` tokens
 greedily; every policy is then teacher-forced on that same continuation, one token per forward (a
 decode step is where compression acts), and at each step its next-token distribution is compared with
 Full's:
@@ -38,6 +38,7 @@ import copy
 import datetime
 import json
 import math
+import re
 import shlex
 import sys
 import time
@@ -46,7 +47,14 @@ from typing import Any, Iterable
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.common import calibrate_policies, load_model, parse_ints, split_specs
+from kvpass.bench.prompts import topics_text
+from kvpass.bench.runner import machine_info
 from kvpass.policies.base import Policy
+from kvpass.policies.centroidkv import CentroidKV
+from kvpass.policies.full import Full
+from kvpass.policies.parse import parse_policy
 
 __all__ = ["step_metrics", "mean_ci", "prose_prompts", "fidelity_of_prompts", "fidelity_policies",
            "fidelity_table", "summarise_log", "write_page", "run"]
@@ -112,9 +120,8 @@ def mean_ci(values: Iterable[float]) -> tuple[float, float]:
 def prose_prompts(tokenizer, context: int, n: int, reserve: int = 4096) -> list[torch.Tensor]:
     """``n`` prompts ``(1, context)`` of pydoc prose, their starts spread evenly over the text; the last
     ``reserve`` tokens are left out (TailorKV's offline calibration reads them:
-    :data:`kvpass.bench.cli.CALIBRATION_TOKENS`). Prompts overlap where the text is too short for
+    :data:`kvpass.bench.common.CALIBRATION_TOKENS`). Prompts overlap where the text is too short for
     ``n`` disjoint ones (SmolLM2's tokens: about 100k, so 20 at 4k are disjoint, 20 at 8k overlap)."""
-    from kvpass.bench.perplexity import topics_text
 
     ids = tokenizer(topics_text(), return_tensors="pt", add_special_tokens=False)["input_ids"]
     usable = ids.shape[1] - reserve
@@ -132,11 +139,6 @@ def fidelity_policies(specs: str = DEFAULT_POLICIES, budgets: Iterable[int] = DE
     ratio is taken as it is."""
     import dataclasses
     import re
-
-    from kvpass.bench.cli import split_specs
-    from kvpass.policies.centroidkv import CentroidKV
-    from kvpass.policies.full import Full
-    from kvpass.policies.parse import parse_policy
 
     out: list[Policy] = [Full()]
     for spec in split_specs(specs):
@@ -222,7 +224,6 @@ def fidelity_of_prompts(
         95 % t interval over the prompts' means, ``kl_max`` the largest single step's KL, ``seconds``
         the policy's decode wall time over all prompts (for the first policy of a graph, with its compile). Full's row is 1.0 and 0.0 by construction.
     """
-    from kvpass import Full, kvpass
 
     if steps < 1:
         raise ValueError(f"kvpass: fidelity needs steps >= 1, got steps={steps}")
@@ -304,14 +305,33 @@ def _budget(p: Policy) -> str:
     return "all"
 
 
+def _labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's policy name, with the parameters that tell it from a row of the same name, context and
+    kept tokens (two TailorKV rows at 1024: ``TailorKV (quant_bits=2)``)."""
+    def fields(r):
+        return re.split(r", (?=\w+=)", r["policy"].partition("(")[2].rstrip(")"))
+
+    labels = []
+    for r in rows:
+        same = [o for o in rows if (o["context"], o["policy_name"], o["kept"]) == (r["context"], r["policy_name"],
+                                                                                     r["kept"])]
+        if len(same) < 2:
+            labels.append(r["policy_name"])
+            continue
+        common = set.intersection(*(set(fields(o)) for o in same))
+        own = [f for f in fields(r) if f not in common]
+        labels.append(f"{r['policy_name']} ({', '.join(own)})" if own else r["policy_name"])
+    return labels
+
+
 def fidelity_table(rows: list[dict[str, Any]]) -> str:
     """A markdown table of result rows (one per context and policy)."""
     lines = ["| context | policy | kept | top-1 agreement (95 % CI) | KL(Full ‖ policy), nats (95 % CI) | max step KL "
              "| prompts × steps |",
              "|---:|---|---|---:|---:|---:|---:|"]
-    for r in rows:
+    for r, label in zip(rows, _labels(rows)):
         lines.append(
-            f"| {r['context']} | {r['policy_name']} | {r['kept']} | {r['agree']:.4f} ± {r['agree_ci']:.4f} "
+            f"| {r['context']} | {label} | {r['kept']} | {r['agree']:.4f} ± {r['agree_ci']:.4f} "
             f"| {r['kl']:.4f} ± {r['kl_ci']:.4f} | {r['kl_max']:.3f} | {r['prompts']} × {r['steps']} |")
     return "\n".join(lines)
 
@@ -364,8 +384,6 @@ def run(args) -> int:
     """``kvpass bench --fidelity``: ``--contexts`` (default 4096), ``--prompts`` (default 20), ``--steps``
     (default 64), ``--policies`` (each non-Full one at ``--budgets``, default 512,1024,2048), ``--out``,
     ``--results-md`` (default ``OUT/fidelity.md``), ``--model``."""
-    from kvpass.bench.cli import calibrate_policies, load_model, parse_ints
-    from kvpass.bench.runner import machine_info
 
     contexts = parse_ints(args.contexts or "4096", "contexts")
     budgets = parse_ints(args.budgets or ",".join(map(str, DEFAULT_BUDGETS)), "budgets")

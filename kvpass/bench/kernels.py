@@ -72,6 +72,14 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from kvpass.bench.common import parse_policies
+from kvpass.kernels import centroid, clusterkv, cpu_decode, quest, sparse_attention as sa, tailorkv
+from kvpass.kernels.sparse_attention import sinks_picked_recent
+from kvpass.runtime.runtime import Runtime
+from kvpass.runtime.store import cpu_empty
+from kvpass.runtime.tailorkv import take_rows
+from kvpass.runtime.workspace import Workspace
+
 __all__ = ["Shape", "SHAPES", "QUICK_SHAPES", "benchmark_kernels", "peak_bandwidth", "format_table", "main"]
 
 
@@ -193,7 +201,6 @@ def _sparse_inputs(s: Shape, device: str, dtype: torch.dtype, seed: int = 0):
 def sparse_and_dense(s: Shape, device: str, dtype: torch.dtype, idx_all: bool = False):
     """The two callables the sparse row compares: ``(sparse, dense)``, each returning ``(B, H_q, D)``.
     ``idx_all`` selects every position (then both compute the same attention)."""
-    from kvpass.kernels import sparse_attention as sa
 
     q, k, v, idx = _sparse_inputs(s, device, dtype)
     if idx_all:
@@ -275,7 +282,6 @@ def benchmark_kernels(
     timer = _time_cuda if cuda else _time_cpu
     el = torch.empty((), dtype=dtype).element_size()
     peak, _ = peak_bandwidth(torch.device(device)) if cuda else (None, "")
-    from kvpass.kernels import centroid, clusterkv, cpu_decode, quest, tailorkv
 
     rows: list[dict] = []
 
@@ -447,10 +453,6 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
       channel copy"); bytes: the channel rows read and the list written.
 
     Raises RuntimeError where the C kernels are not built."""
-    from kvpass.kernels import clusterkv, cpu_decode, quest, tailorkv
-    from kvpass.kernels import sparse_attention as sa
-    from kvpass.runtime.state import Workspace
-    from kvpass.runtime.store import cpu_empty
 
     if not (cpu_decode.available() and quest.quest_top_pages_cpu_available()
             and clusterkv.select_clusters_cpu_available() and tailorkv.cpu_select_available()):
@@ -555,9 +557,6 @@ def benchmark_cpu_paths(quick: bool = False, shapes=None) -> list[dict]:
             c = lambda: step.select(q, sinks, mid_end, top, recent, q_c=q, n_channels=n_ch)  # noqa: E731
 
             def t():
-                from kvpass.kernels.sparse_attention import sinks_picked_recent
-                from kvpass.runtime.tailorkv import take_rows
-
                 ch = tailorkv.critical_channels(q, kabs, n_ch)
                 k_ch = take_rows(kT, ch)[..., sinks:mid_end].contiguous().transpose(2, 3)
                 idx, _ = tailorkv.partial_topk_ref(q, k_ch, ch, top, mid_end - sinks)
@@ -610,8 +609,6 @@ def benchmark_site_ops(policies: str = SITE_OPS_POLICIES, contexts: tuple[int, .
     residual every 128, ClusterKV clusters every 320 generated tokens) what a step costs amortised, where
     ``us_per_site`` is the steady step."""
     import kvpass.lowering.ops  # noqa: F401  (registers the kvpass:: ops)
-    from kvpass.bench.decode_cost import parse_policies
-    from kvpass.runtime.state import Runtime
 
     ops = torch.ops.kvpass
     if quick:

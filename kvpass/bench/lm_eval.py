@@ -42,6 +42,13 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from kvpass import KVPassError, kvpass
+from kvpass.bench.common import build_policies, load_model, parse_ints, split_specs
+from kvpass.bench.ruler_tasks import TASKS_DIR
+from kvpass.models import load_smollm2, smollm2_cache_path
+from kvpass.policies.base import Policy
+from kvpass.policies.parse import parse_policy
+
 __all__ = ["KVPassLM", "parse_model_args", "wilson", "cell_stats", "run_bench", "write_page", "main"]
 
 #: z of a two-sided 95 % interval
@@ -66,17 +73,11 @@ class KVPassLM(HFLM):
 
     def __init__(self, pretrained: Any = "smollm2", policy: Any = "Full", strict: bool = True, cache: bool = True,
                  own_cache: bool = True, skinny_linear: bool = True, **kwargs: Any) -> None:
-        from kvpass import kvpass
-        from kvpass.policies.base import Policy
-        from kvpass.policies.parse import parse_policy
-
         eager = isinstance(policy, str) and policy.strip().lower() == EAGER
         pol = None if eager else policy if isinstance(policy, Policy) else parse_policy(str(policy))
         backend = None if eager else kvpass(pol, strict=strict, cache=cache, own_cache=own_cache,
                                              skinny_linear=skinny_linear)  # bad options fail before the load
         if isinstance(pretrained, str) and pretrained.lower() == "smollm2":
-            from kvpass.models import load_smollm2
-
             model, tok = load_smollm2(progress=True)
             kwargs.setdefault("tokenizer", tok)
             pretrained = model
@@ -111,8 +112,6 @@ class KVPassLM(HFLM):
         elif be.eager_forwards > eager:
             why = f"ran {be.eager_forwards - eager} forward(s) without kvpass's graphs"
         if why:
-            from kvpass import KVPassError
-
             msg = (f"kvpass: lm-eval's {what} on {be!r} {why}: compression was off. Fix: compile a fresh model "
                    "per backend (dynamo's recompile limit counts every model compiled on the same forward), "
                    "or call torch._dynamo.reset() between models. See backend.report().")
@@ -156,8 +155,6 @@ def parse_model_args(text: str | None) -> dict:
     """lm-eval's ``key=value,key=value`` model args, split on the commas outside parentheses and
     brackets, values typed as lm-eval types them (``4`` an int, ``False`` a bool)."""
     from lm_eval.utils import handle_arg_string
-
-    from kvpass.bench.cli import split_specs
 
     args = {}
     for item in split_specs(text or ""):
@@ -235,7 +232,6 @@ def versions() -> dict:
 def _policy_specs(text: str, budgets: list[int]) -> list:
     """``--policies`` as the bench reads it (each non-Full spec without its own budget swept over
     ``budgets``), plus ``eager`` (the model uncompiled) where named."""
-    from kvpass.bench.cli import build_policies, split_specs
 
     specs = split_specs(text)
     rest = [s for s in specs if s.lower() != EAGER]
@@ -256,9 +252,6 @@ def run_bench(args: argparse.Namespace) -> int:
     ``OUT/lm_eval_samples.jsonl``, and the page ``--results-md`` (default ``OUT/lm-eval.md``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-
-    from kvpass.bench.cli import load_model, parse_ints
-    from kvpass.bench.ruler_tasks import TASKS_DIR
 
     tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
     lengths = parse_ints(args.max_seq_lengths or "4096", "max-seq-lengths")
@@ -313,16 +306,16 @@ def run_bench(args: argparse.Namespace) -> int:
             del lm, model
     finally:
         torch.set_num_threads(threads)
-    rows = _read(out / RESULTS)
-    write_page(rows, page, command, meta=versions() | {"model": args.model})
+
+    samples = _read(out / SAMPLES)
+    rows = _read(out / RESULTS) + shared_cells(samples, args.limit)
+    write_page(rows, page, command, meta=versions() | {"model": args.model}, agreement=loop_agreement(samples))
     print(f"kvpass bench: wrote {page} ({len(rows)} cells); this run took {time.perf_counter() - t_all:.0f} s",
           flush=True)
     return 0
 
 
 def _tokenizer_dir(model: str) -> str:
-    from kvpass.models import smollm2_cache_path
-
     return str(smollm2_cache_path())  # --model smollm2 and tiny both use SmolLM2's tokenizer
 
 
@@ -366,9 +359,54 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def write_page(rows: list[dict], path: Path, command: str, meta: dict | None = None) -> Path:
-    """The generated page: the command, the date, versions, then one table row per task, length and
-    policy (score, 95 % interval, n, whether the policy attended fewer tokens than the rows held)."""
+#: The mode of a per-sample row of kvpass.bench.ruler's loop (lm-eval's own loop: "lm-eval").
+SHARED = "shared prefill"
+
+
+def agreement(a: list[dict], b: list[dict]) -> dict:
+    """How two runs' per-sample rows agree on the samples and policies both hold: ``n``, ``same_score``
+    (fraction with equal scores), ``same_text`` (equal answers after stripping whitespace)."""
+    key = lambda r: (r["policy"], r["task"], r["max_seq_length"], int(r["doc"]))  # noqa: E731
+    bi = {key(r): r for r in b}
+    pairs = [(r, bi[key(r)]) for r in a if key(r) in bi]
+    n = len(pairs)
+    if not n:
+        return {"n": 0, "same_score": float("nan"), "same_text": float("nan")}
+    return {"n": n, "same_score": sum(x["score"] == y["score"] for x, y in pairs) / n,
+            "same_text": sum(x["response"].strip() == y["response"].strip() for x, y in pairs) / n}
+
+
+def shared_cells(samples: list[dict], limit) -> list[dict]:
+    """Page rows (one per policy, task and length) from this runner's per-sample rows of run ``limit``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in samples:
+        if r.get("mode") == SHARED and r.get("limit") == limit:
+            groups.setdefault((r["policy"], r["task"], r["max_seq_length"]), []).append(r)
+    rows = []
+    for (pol, task, L), rs in groups.items():
+        att = [r["attended"] for r in rs if r.get("attended") is not None]
+        rows.append({"policy": pol, "task": task, "max_seq_length": L, "limit": limit, "mode": SHARED,
+                     "model": rs[0].get("model"), **cell_stats([r["score"] for r in rs]),
+                     "compressed": any(r["compressed"] for r in rs),
+                     "attended_mean": round(sum(att) / len(att), 1) if att else None,
+                     "seconds": round(sum(r["seconds"] for r in rs), 1),  # the shared prefills not counted
+                     "batch_size": 1, "date": rs[-1].get("date")})
+    return rows
+
+
+def loop_agreement(samples: list[dict]) -> dict | None:
+    """:func:`agreement` of lm-eval's loop and kvpass.bench.ruler's on the samples both hold, or None."""
+    loop = [r for r in samples if r.get("mode", "lm-eval") != SHARED]
+    shared = [r for r in samples if r.get("mode") == SHARED]
+    a = agreement(loop, shared)
+    return a if a["n"] else None
+
+
+def write_page(rows: list[dict], path: Path, command: str, meta: dict | None = None,
+               agreement: dict | None = None) -> Path:
+    """The generated page: the command, the date, versions, then one table row per task, length, policy
+    and loop (score, 95 % interval, n, whether the policy attended fewer tokens than the rows held);
+    ``agreement``: :func:`agreement` of the two loops, where both ran."""
     meta = meta or {}
     lines = [
         "# lm-evaluation-harness with kvpass",
@@ -387,16 +425,25 @@ def write_page(rows: list[dict], path: Path, command: str, meta: dict | None = N
         "tasks) some batch row attended fewer tokens than it held (no: the budget covered the context, or the "
         "policy is Full or eager); `attended`: tokens attended per row at a batch's last decode step, mean over "
         "sites and rows of the run. Batches are lm-eval's, left-padded. The prose "
-        "tasks' haystack is pydoc_data.topics of the Python above.",
+        "tasks' haystack is pydoc_data.topics of the Python above. Loop `lm-eval`: lm-eval's own model loop "
+        "(`simple_evaluate`, its batches); `shared prefill`: each sample prefilled once, exactly, and every "
+        "policy continuing from that cache at batch 1, scored by lm-eval's task code (kvpass.bench.ruler; "
+        "`s` there excludes the shared prefills).",
         "",
-        "| task | tokens | policy | score | 95 % CI | n | compressed | attended | s (policy run) |",
-        "|---|---:|---|---:|---|---:|---|---:|---:|",
+    ]
+    if agreement:
+        lines += [f"The two loops on the {agreement['n']} (policy, sample) pairs both ran: equal score on "
+                  f"{agreement['same_score']:.3f} of them, equal answer text on {agreement['same_text']:.3f}.", ""]
+    lines += [
+        "| task | tokens | policy | loop | score | 95 % CI | n | compressed | attended | s (policy run) |",
+        "|---|---:|---|---|---:|---|---:|---|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["task"], r["max_seq_length"], r["policy"] != EAGER,
                                          not r["policy"].startswith("Full"), r["policy"])):
         star = "*" if r.get("ci") == "normal" else ""
         chat = " (chat template)" if r.get("chat_template") else ""
-        lines.append(f"| {r['task']}{chat} | {r['max_seq_length']} | `{r['policy']}` | {r['score']:.3f} | "
+        lines.append(f"| {r['task']}{chat} | {r['max_seq_length']} | `{r['policy']}` | {r.get('mode', 'lm-eval')} "
+                     f"| {r['score']:.3f} | "
                      f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]{star} | {r['n']} | "
                      f"{'yes' if r['compressed'] else 'no'} | {r.get('attended_mean') or '-'} | {r['seconds']:.0f} |")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -417,6 +464,8 @@ def _command(args: argparse.Namespace) -> str:
             parts += ["--" + opt.replace("_", "-"), str(v)]
     if getattr(args, "chat_template", False):
         parts.append("--chat-template")
+    if getattr(args, "shared_prefill", False):
+        parts.append("--shared-prefill")
     return shlex.join(parts + ["--out", str(args.out)])
 
 
@@ -427,8 +476,6 @@ def main(argv: list[str] | None = None) -> None:
     ``pretrained=smollm2``, the bundled tokenizer's folder given to the RULER tasks as ``tokenizer``."""
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
-
-    from kvpass.bench.ruler_tasks import TASKS_DIR
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cli = HarnessCLI()

@@ -3,7 +3,7 @@
 ::
 
     kvpass bench --decode-cost --paired --threads 1,2 --contexts 1024,4096,8192 --batches 1,8 \\
-        --out bench_out/paired --results-md docs/decode-cost-paired.md
+        --out bench_out/decode-cost-paired-<date> --results-md docs/results/decode-cost-paired.md
 
 :mod:`kvpass.bench.decode_cost` times whole cells one after the other (a fresh cache, the dropped steps,
 the timed steps) and compares a policy's median with Full's median of another cell, measured seconds or
@@ -36,6 +36,7 @@ context (``--batch-context`` included: Full runs there too) at batch 1 and at ev
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -45,15 +46,19 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
 from kvpass.bench.decode_cost import (
-    DISTURBED, NOT_A_MEASUREMENT, _cell_kv, _decode, _now, _site_sums, bracket, check_grid, context_sentence, floor_at,
-    floor_label, last_tokens, machine_line, page_head, prefill, resume, start_tokens, target_checks, target_lines,
-    targets_title, warm_up,
+    DISTURBED, EAGER, NOT_A_MEASUREMENT, _cell_kv, _decode, _now, _plan, _site_sums, bracket, check_grid,
+    context_sentence, floor_at, floor_label, last_tokens, machine_line, page_head, prefill, resume,
+    settings, start_tokens, target_checks, target_lines, targets_title, warm_up,
 )
+from kvpass.bench.common import load_for_bench
+from kvpass.bench.runner import _append, _model_name, load_results, machine_info, policy_budget, policy_label
 from kvpass.bench.timing import cache_from, graph_keys_kept
 from kvpass.policies.base import Policy
+from kvpass.policies.full import Full
 
-__all__ = ["RESULTS", "run_paired", "paired_table", "paired_targets", "write_paired_md"]
+__all__ = ["RESULTS", "run", "run_paired", "paired_table", "paired_targets", "write_paired_md"]
 
 RESULTS = "paired_cost.jsonl"
 
@@ -61,8 +66,6 @@ RESULTS = "paired_cost.jsonl"
 def _cells(policies: list[Policy], contexts: list[int], batches: list[int], batch_context: int):
     """``[(policy, context, batch)]``: the decode-cost plan's cells of the compressed policies (Full is the
     floor, eager not measured here)."""
-    from kvpass.bench.decode_cost import EAGER, _plan
-    from kvpass.policies.full import Full
 
     return [g for g in _plan(policies, contexts, batches, batch_context)
             if g[0] != EAGER and not isinstance(g[0], Full)]
@@ -95,9 +98,6 @@ def run_paired(
 ) -> list[dict[str, Any]]:
     """Measure every group not yet in ``out_dir/paired_cost.jsonl`` (see the module docstring); return the
     rows of this call's cells."""
-    from kvpass import kvpass
-    from kvpass.bench.runner import _append, _model_name, machine_info, policy_budget, policy_label
-    from kvpass.policies.full import Full
 
     check_grid("paired decode cost", contexts, batches, steps=steps, warmup_steps=warmup_steps)
     contexts = sorted(set(contexts) | {int(batch_context)})  # Full runs at each: a floor or a cell's own context
@@ -252,9 +252,9 @@ def paired_table(rows: list[dict[str, Any]]) -> str:
             tt = paired_targets(sel)
             if tt:
                 parts += ["", targets_title(tt, "each value the median over its group's rotations; kvpass Full "
-                                                "against eager HF is on docs/decode-cost.md, eager is not paired; "
+                                                "against eager HF is on docs/results/decode-cost.md, eager is not paired; "
                                                 "attention recall and accuracy at 8k are on "
-                                                "docs/results-clusterkv.md"), ""] + tt
+                                                "docs/results/clusterkv-vs-quest-8k.md"), ""] + tt
                 if any(line.endswith(f"| {NOT_A_MEASUREMENT} |") for line in tt):
                     parts += ["", f"‡ faster than {DISTURBED}× its floor: a compressed step cannot cost much less "
                                   "than Full's step over the tokens it attends; that ratio does not measure the "
@@ -265,7 +265,6 @@ def paired_table(rows: list[dict[str, Any]]) -> str:
 
 def write_paired_md(out_dir: Path, path: Path, command: str) -> Path:
     """The generated page from ``out_dir/paired_cost.jsonl``."""
-    from kvpass.bench.runner import load_results
 
     rows = load_results(Path(out_dir) / RESULTS)
     if not rows:
@@ -287,11 +286,11 @@ def write_paired_md(out_dir: Path, path: Path, command: str) -> Path:
         "",
         "## How it was measured",
         "",
-        "- **Why paired**: docs/decode-cost.md times each cell's steps in a row and divides a policy's median by "
+        "- **Why paired**: docs/results/decode-cost.md times each cell's steps in a row and divides a policy's median by "
         "Full's median of another cell; on these shared cores the machine's speed moves by up to a third "
         "between the two, more than the few percent the targets are about. Here both sides of each ratio "
         "are measured tens of milliseconds apart.",
-        "- **A group per policy cell**: the policy decodes on its own cache (the cache of docs/decode-cost.md: "
+        "- **A group per policy cell**: the policy decodes on its own cache (the cache of docs/results/decode-cost.md: "
         f"one exact prefill of the prose, its prefix or repeats, a batch of copies). {context_sentence(rows)} After "
         f"its {', '.join(map(str, warm))} dropped step(s) the policy's report gives N, the tokens it attends per site "
         "(averaged over the sites). Its floor F(N, B) is Full's step at the measured contexts that bracket N, "
@@ -312,3 +311,21 @@ def write_paired_md(out_dir: Path, path: Path, command: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvpass bench --decode-cost --paired`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
+    contexts, batches, batch_context, steps, threads, policies, command = settings(args)
+    t0 = time.perf_counter()
+    model, tok, model_name, policies, out = load_for_bench(args, policies)
+    run_paired(model, tok, policies, contexts, batches, out, batch_context=batch_context, threads=threads,
+               steps=steps, warmup_steps=args.warmup_steps, model_name=model_name, command=command,
+               progress=not args.no_progress, skinny_linear=args.skinny_linear)
+    rows = [r for r in load_results(out / RESULTS) if r["model"] == model_name]
+    print()
+    print(paired_table(rows))
+    if args.results_md:
+        print(f"kvpass bench --decode-cost --paired: wrote {write_paired_md(out, Path(args.results_md), command)}")
+    print(f"kvpass bench --decode-cost --paired: {len(rows)} groups in {out / RESULTS}; this run took "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return 0

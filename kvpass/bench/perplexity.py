@@ -37,22 +37,18 @@ from typing import Any, Iterable
 
 import torch
 
+from kvpass import Full, KVPassError, kvpass
+from kvpass.bench.common import split_specs
+from kvpass.bench.prompts import topics_text
+from kvpass.models import load_smollm2
 from kvpass.policies.base import Policy
+from kvpass.policies.parse import parse_policy
 
 __all__ = ["topics_text", "perplexity", "perplexity_of_ids", "split_policies", "main"]
 
 
-def topics_text() -> str:
-    """The values of ``pydoc_data.topics.topics`` joined in key order (about 65k words of English)."""
-    from pydoc_data import topics
-
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-
-
 def split_policies(text: str) -> list[str]:
     """Split ``"Full,Quest(budget=256, page_size=16)"`` on the commas outside parentheses."""
-    from kvpass.bench.cli import split_specs
-
     return split_specs(text)
 
 
@@ -127,8 +123,6 @@ def perplexity_of_ids(
         ``nll`` is the mean NLL (nats) over ``tokens`` scored tokens, ``ppl = exp(nll)``, ``delta`` and
         ``delta_nll`` are the differences to Full, ``seconds`` the wall time of the policy's run.
     """
-    from kvpass import Full, kvpass
-    from kvpass.runtime.state import KVPassError
 
     if ids.dim() == 1:
         ids = ids[None]
@@ -238,10 +232,6 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpass import Full, kvpass
-    from kvpass.policies.parse import parse_policy
-    from kvpass.models import load_smollm2
-
     ap = argparse.ArgumentParser(
         prog="python -m kvpass.bench.perplexity",
         description="Token-by-token perplexity of pydoc_data.topics prose with a compressed KV cache "

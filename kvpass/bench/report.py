@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpass.bench.runner import KERNELS, PERPLEXITY, RESULTS, load_results
+from kvpass.tailorkv import Profile
 
 __all__ = ["markdown_table", "perplexity_table", "kernel_table", "plot_all", "write_results_md",
            "STRUCTURE_ONLY_MODELS"]
@@ -408,8 +409,6 @@ def write_results_md(out_dir: Path, path: Path, command: str) -> Path:
                   "ratio to Full's ms/token on the same cells (below 1: faster).", "", by_context]
     profile = out_dir / "tailorkv_profile.json"
     if profile.exists():
-        from kvpass.tailorkv import Profile
-
         lines += ["", "## TailorKV profile", "", f"Calibrated by the bench into `{profile.name}` (see "
                   "docs/methods.md, TailorKV):", "", "```", Profile.load(profile).describe(), "```"]
     details = site_details_table(rows)

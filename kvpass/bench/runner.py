@@ -57,7 +57,16 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.kernels import benchmark_kernels
+from kvpass.bench.perplexity import perplexity
+from kvpass.bench.recall import RecallProbe
+from kvpass.bench.tasks import all_tasks, make_sample, score
+from kvpass.bench.timing import Stamps, answer_text, generation_config
+from kvpass.kernels import cpu_decode
+from kvpass.models import chat_prompt
 from kvpass.policies.base import Policy
+from kvpass.policies.full import Full
 
 __all__ = ["run_grid", "run_perplexity", "run_kernels", "default_new_tokens", "machine_info", "cell_key",
            "load_results", "RESULTS", "PERPLEXITY", "KERNELS"]
@@ -122,8 +131,6 @@ def _processor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def _native_kernels() -> bool:
-    from kvpass.kernels import cpu_decode
-
     return cpu_decode.available()
 
 
@@ -187,8 +194,6 @@ def _model_name(model) -> str:
 
 
 def _with_full(policies: Iterable[Policy]) -> list[Policy]:
-    from kvpass.policies.full import Full
-
     out: list[Policy] = [Full()]
     for p in policies:
         if not isinstance(p, Policy):
@@ -236,8 +241,6 @@ def _prefill(fwd, ids: torch.Tensor):
 def _warm_up(model, fwd, tokenizer, share_prefill: bool) -> float:
     """Compile every graph a cell will use (prefill, first decode, dynamic decode, and the continuation
     from an adopted cache) on a short input; returns the seconds it took."""
-    from kvpass.bench.timing import generation_config
-    from kvpass.models import chat_prompt
 
     t0 = time.perf_counter()
     warm = tokenizer(chat_prompt(tokenizer, "Say hello. " * 16), return_tensors="pt",
@@ -303,12 +306,6 @@ def run_grid(
     for :data:`NEW_TOKENS`. ``model`` is used as is (its ``forward`` is compiled for the call and
     restored afterwards).
     """
-    from kvpass import kvpass
-    from kvpass.bench.recall import RecallProbe
-    from kvpass.bench.tasks import all_tasks, make_sample, score
-    from kvpass.bench.timing import Stamps, answer_text, generation_config
-    from kvpass.models import chat_prompt
-    from kvpass.policies.full import Full
 
     if samples < 1:
         raise ValueError(f"kvpass: run_grid needs samples >= 1, got samples={samples}")
@@ -509,9 +506,6 @@ def run_perplexity(
     eval_tokens, ppl, nll, delta, delta_nll, seconds, machine, command, finished``) appended to
     ``out_dir/perplexity.jsonl``. Rows already there are not run again (Full, the reference of the deltas,
     is run whenever another policy of the window is)."""
-    from kvpass import kvpass
-    from kvpass.bench.perplexity import perplexity
-    from kvpass.policies.full import Full
 
     policies = _with_full(policies)
     out_dir = Path(out_dir)
@@ -548,7 +542,6 @@ def run_perplexity(
 def run_kernels(out_dir: Path, *, quick: bool = False, command: str | None = None) -> list[dict[str, Any]]:
     """Kernel micro-benchmarks (:func:`kvpass.bench.kernels.benchmark_kernels`, CUDA when present)
     written afresh to ``out_dir/kernels.jsonl`` (timings are of this machine now, never resumed)."""
-    from kvpass.bench.kernels import benchmark_kernels
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 ::
 
-    kvpass bench --throughput --batches 1,4,8 --lengths 2048-8192 --out bench_out/tput --results-md docs/throughput.md
+    kvpass bench --throughput --batches 1,4,8 --lengths 2048-8192 --out bench_out/throughput-<date> --results-md docs/results/throughput.md
     kvpass bench --throughput --model tiny --batches 1,2 --lengths 40-90 --threads 1      # structure only
 
 Every figure comes from ONE process, for ``Full`` and every policy of ``--policies`` (default: Full,
@@ -51,6 +51,16 @@ from typing import Any
 
 import torch
 
+from kvpass import kvpass
+from kvpass.bench.common import load_for_bench, parse_ints, parse_policies
+from kvpass.bench.decode_cost import _now
+from kvpass.bench.prompts import topics_text
+from kvpass.bench.runner import _append, _model_name, default_new_tokens as _new, machine_info, policy_label
+from kvpass.bench.tasks import make_sample, score
+from kvpass.bench.timing import answer_text, cache_from, cache_tensors, graph_keys_kept
+from kvpass.models import chat_prompt
+from kvpass.policies.full import Full
+
 RESULTS = "throughput.jsonl"
 DEFAULT_POLICIES = ("Full,StreamingLLM(budget=1024),Quest(budget=1024),ClusterKV(budget=1024),"
                     "CentroidKV(cache_ratio=0.25),TailorKV(sparse_budget=1024)")
@@ -74,7 +84,6 @@ def prose_rows(prefill_kv, ids: torch.Tensor, lengths: list[int]) -> list[tuple]
 def padded_cache(model, rows: list[tuple]):
     """A DynamicCache of ``len(rows)`` rows (see :func:`prose_rows`), row i's keys and values right-aligned
     (zeros before), and the ``(B, max)`` attention mask."""
-    from kvpass.bench.timing import cache_from
 
     lengths = [n for _, _, n in rows]
     width, batch = max(lengths), len(rows)
@@ -95,9 +104,6 @@ def padded_cache(model, rows: list[tuple]):
 def task_rows(model, tokenizer, task: str, lengths: list[int], seed: int, progress: bool) -> dict[int, tuple]:
     """For each length n: a sample of ``task`` whose chat prompt has about n tokens (seed ``seed + n``),
     prefilled exactly on its own: ``{n: (sample, per-layer (k, v), first new token (1,), prompt tokens)}``."""
-    from kvpass.bench.tasks import make_sample
-    from kvpass.bench.timing import cache_tensors
-    from kvpass.models import chat_prompt
 
     overhead = len(tokenizer(chat_prompt(tokenizer, ""), add_special_tokens=False)["input_ids"])
     out = {}
@@ -146,20 +152,11 @@ def run_throughput(model, tokenizer, policies, batches: list[int], lo: int, hi: 
     """Measure every (threads, policy, batch) cell (see the module docstring); rows are appended to
     ``out_dir/throughput.jsonl`` and returned. ``task``: each row is a sample of that task
     (:mod:`kvpass.bench.tasks`), decoded for the task's answer length and scored."""
-    from kvpass import kvpass
-    from kvpass.bench.decode_cost import _now
-    from kvpass.bench.tasks import score
-    from kvpass.bench.timing import answer_text, cache_tensors, graph_keys_kept
-    from kvpass.bench.perplexity import topics_text
-    from kvpass.bench.runner import _append, _model_name, machine_info, policy_label
-    from kvpass.policies.full import Full
 
     if not 1 <= lo <= hi:
         raise ValueError(f"kvpass: --lengths needs 1 <= LO <= HI, got {lo}-{hi}")
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     if task is not None:
-        from kvpass.bench.runner import default_new_tokens as _new
-
         steps = max(1, _new(task) - 1 - warmup_steps)  # the first new token comes from the prefill
     if hi + warmup_steps + steps + 1 > max_pos:
         raise ValueError(f"kvpass: --lengths up to {hi} plus {warmup_steps + steps + 1} new tokens passes the "
@@ -396,8 +393,6 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvpass bench --throughput`` (options in :func:`kvpass.bench.cli.add_arguments`)."""
-    from kvpass.bench.cli import load_for_bench, parse_ints
-    from kvpass.bench.decode_cost import parse_policies
 
     preset = QUICK if args.quick else DEFAULTS
     batches = parse_ints(args.batches or preset["batches"], "batches")

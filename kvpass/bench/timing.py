@@ -18,7 +18,7 @@ import torch
 __all__ = ["Stamps", "generation_config", "answer_text", "cache_tensors", "cache_from", "graph_keys_kept"]
 
 # dynamo recompile limit a graph key needs: batch 1 and 2, each within and past the model's positions, and
-# the adopted first step (Full's key compiled 4 on SmolLM2 in bench_out/cost-s27), with room
+# the adopted first step (Full's key compiled 4 on SmolLM2 in a decode-cost run of 2026-12-05), with room
 GRAPHS_PER_KEY = 8
 
 

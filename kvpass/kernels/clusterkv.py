@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_decode, native
+from .sparse_attention import sinks_picked_recent
 from ._triton import interpreting, require_triton, tl, triton
-from .native import VECTOR
 
 __all__ = [
     "KMeans",
@@ -668,177 +668,38 @@ def select_clusters_ref(
     return torch.where(ok, tok, -1)
 
 
-_SELECT_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-""" + VECTOR + cpu_decode.LISTED_C + r"""
-typedef struct { float s; int64_t c; } rank_t;
+class SelectClustersArgs(ctypes.Structure):
+    """``kvpass_select_clusters_args`` (csrc/kvpass.h): ``kvpass_select_clusters``' operands."""
 
-/* x ranks before y: descending score, ties to the lower cluster index (torch.sort(descending=True,
-   stable=True)); scores here are never NaN (filtered where they are made) */
-static inline int before(const rank_t *x, const rank_t *y) { return x->s > y->s || (x->s == y->s && x->c < y->c); }
-
-/* A binary heap with the best cluster on top: a step recalls a dozen clusters of hundreds, so popping
-   them in rank order (O(C) to build, O(log C) a pop) replaces sorting them all (qsort's O(C log C)
-   calls through a function pointer were most of a step's selection at 32k tokens). */
-static void sift_down(rank_t *h, int64_t n, int64_t i) {
-    rank_t v = h[i];
-    for (;;) {
-        int64_t l = 2 * i + 1;
-        if (l >= n) break;
-        int64_t m = (l + 1 < n && before(&h[l + 1], &h[l])) ? l + 1 : l;
-        if (!before(&h[m], &v)) break;
-        h[i] = h[m];
-        i = m;
-    }
-    h[i] = v;
-}
-static void heapify(rank_t *h, int64_t n) { for (int64_t i = n / 2 - 1; i >= 0; i--) sift_down(h, n, i); }
-static rank_t pop_best(rank_t *h, int64_t *n) {
-    rank_t top = h[0];
-    h[0] = h[--*n];
-    sift_down(h, *n, 0);
-    return top;
-}
-
-/* select_clusters_ref in one pass per (b, h): the eligible clusters (score > -inf, size > 0) ranked,
-   their members emitted from order[offsets[c] ...] until budget slots are filled, -1 after. */
-int kvpass_select_clusters(const float *scores, int64_t ss_b, int64_t ss_h, int64_t ss_c,
-                           const int64_t *sizes, int64_t zs_b, int64_t zs_h, int64_t zs_c,
-                           const int64_t *offsets, int64_t fs_b, int64_t fs_h, int64_t fs_c,
-                           const int64_t *order, int64_t rs_b, int64_t rs_h, int64_t rs_n,
-                           int64_t *out, int64_t xs_b, int64_t xs_h, int64_t xs_j,
-                           int64_t B, int64_t H, int64_t C, int64_t N, int64_t budget) {
-    rank_t *r = (rank_t *)malloc(sizeof(rank_t) * (size_t)(C > 0 ? C : 1));
-    if (!r) return -1;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            const float *sc = scores + b * ss_b + h * ss_h;
-            const int64_t *sz = sizes + b * zs_b + h * zs_h, *off = offsets + b * fs_b + h * fs_h;
-            const int64_t *ord = order + b * rs_b + h * rs_h;
-            int64_t *o = out + b * xs_b + h * xs_h, n = 0, j = 0;
-            for (int64_t c = 0; c < C; c++) {
-                float s = sc[c * ss_c];
-                if (s > -INFINITY && sz[c * zs_c] > 0) { r[n].s = s; r[n].c = c; n++; }
-            }
-            heapify(r, n);
-            while (n > 0 && j < budget) {
-                int64_t c = pop_best(r, &n).c, z = sz[c * zs_c], first = off[c * fs_c];
-                for (int64_t t = 0; t < z && j < budget; t++, j++) {
-                    int64_t src = first + t;
-                    o[j * xs_j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
-                }
-            }
-            for (; j < budget; j++) o[j * xs_j] = -1;
-        }
-    free(r);
-    return 0;
-}
-
-/* A ClusterKV decode step's whole list per (b, h), cluster_select_torch in one pass: row b starts at
-   f = first[b] (0 without first); a row whose own length L - f fits `cover` (>= 0) lists all of
-   [f, L); the others list their sinks f + [0, n_sinks), then the best whole clusters by q . mu
-   (gqa: the query group's sum, or the max of its members' scores) in cluster_budget slots (the last
-   trimmed, -1 after), then the recent tokens [L - n_recent, L). -1 fills the list to W. */
-int kvpass_cluster_select(const float *q, int64_t qs_b, int64_t qs_h,
-                          const float *cent, int64_t cs_b, int64_t cs_h, int64_t cs_c,
-                          const int64_t *sizes, int64_t zs_b, int64_t zs_h, int64_t zs_c,
-                          const int64_t *offsets, int64_t fs_b, int64_t fs_h, int64_t fs_c,
-                          const int64_t *order, int64_t rs_b, int64_t rs_h, int64_t rs_n,
-                          const int64_t *first, int64_t ft_b,
-                          int64_t *out, int64_t xs_b, int64_t xs_h,
-                          int64_t B, int64_t H, int64_t G, int64_t D, int64_t C, int64_t N, int64_t L,
-                          int64_t n_sinks, int64_t cluster_budget, int64_t n_recent, int64_t cover, int64_t W,
-                          int64_t gqa_max) {
-    rank_t *r = (rank_t *)malloc(sizeof(rank_t) * (size_t)(C > 0 ? C : 1));
-    float *qq = (float *)malloc(sizeof(float) * (size_t)(G * D > 0 ? G * D : 1));
-    if (!r || !qq) { free(r); free(qq); return -1; }
-    for (int64_t b = 0; b < B; b++) {
-        int64_t f = first ? first[b * ft_b] : 0;
-        for (int64_t h = 0; h < H; h++) {
-            int64_t *o = out + b * xs_b + h * xs_h, j = 0;
-            if (cover >= 0 && L - f <= cover) {
-                for (; j < W; j++) o[j] = f + j < L ? f + j : -1;
-                continue;
-            }
-            for (int64_t t = 0; t < n_sinks && j < W; t++) o[j++] = f + t;
-            int64_t end = j + cluster_budget;
-            if (end > W) end = W;
-            if (cluster_budget > 0 && C > 0) {
-                int64_t rows = gqa_max ? G : 1;
-                const float *qg = q + b * qs_b + h * G * qs_h;
-                for (int64_t d = 0; d < D * rows; d++) qq[d] = 0.f;
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t d = 0; d < D; d++) qq[(gqa_max ? g : 0) * D + d] += qg[g * qs_h + d];
-                const float *ce = cent + b * cs_b + h * cs_h;
-                const int64_t *sz = sizes + b * zs_b + h * zs_h, *off = offsets + b * fs_b + h * fs_h;
-                const int64_t *ord = order + b * rs_b + h * rs_h;
-                int64_t n = 0;
-                for (int64_t c = 0; c < C; c++) {
-                    if (sz[c * zs_c] <= 0) continue;
-                    const float *m = ce + c * cs_c;
-                    float best = 0.f;
-                    for (int64_t g = 0; g < rows; g++) {
-                        float acc = dot(qq + g * D, m, D);  /* in lanes: hundreds of clusters at 32k */
-                        if (g == 0 || acc > best) best = acc;
-                    }
-                    if (best > -INFINITY) { r[n].s = best; r[n].c = c; n++; }
-                }
-                heapify(r, n);
-                while (n > 0 && j < end) {
-                    int64_t c = pop_best(r, &n).c, z = sz[c * zs_c], at = off[c * fs_c];
-                    for (int64_t t = 0; t < z && j < end; t++, j++) {
-                        int64_t src = at + t;
-                        o[j] = (src >= 0 && src < N) ? ord[src * rs_n] : -1;
-                    }
-                }
-            }
-            for (; j < end; j++) o[j] = -1;
-            for (int64_t t = 0; t < n_recent && j < W; t++) o[j++] = L - n_recent + t;
-            for (; j < W; j++) o[j] = -1;
-        }
-    }
-    free(r);
-    free(qq);
-    return 0;
-}
-
-/* kvpass_cluster_select with its arguments in one int64 array, in its order, pointers as integers: a ctypes
-   call converts each argument (about 0.2 us each), and a decode step changes only a few of them */
-#define P_(T, x) ((T)(intptr_t)(x))
-int kvpass_cluster_select_packed(const int64_t *a) {
-    return kvpass_cluster_select(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[3]), a[4], a[5], a[6],
-                                 P_(const int64_t *, a[7]), a[8], a[9], a[10], P_(const int64_t *, a[11]), a[12],
-                                 a[13], a[14], P_(const int64_t *, a[15]), a[16], a[17], a[18],
-                                 P_(const int64_t *, a[19]), a[20], P_(int64_t *, a[21]), a[22], a[23], a[24], a[25],
-                                 a[26], a[27], a[28], a[29], a[30], a[31], a[32], a[33], a[34], a[35], a[36]);
-}
-
-/* kvpass_cluster_select_packed, then the decode attention over the list it wrote (a[37 : 51]:
-   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend) */
-int kvpass_cluster_step_packed(const int64_t *a) {
-    int rc = kvpass_cluster_select_packed(a);
-    if (rc) return rc;
-    return attend_listed(a + 37, P_(const float *, a[0]), a[1], a[2], P_(const int64_t *, a[21]), a[22], a[23],
-                         a[24], a[25], a[26], a[30], a[35], a[27]);
-}
-"""
-
-
-_SELECT_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] * 5 + [ctypes.c_int64] * 5
+    c_name = "kvpass_select_clusters_args"
+    _fields_ = native.fields("scores* ss_b ss_h ss_c sizes* zs_b zs_h zs_c offsets* fs_b fs_h fs_c order* rs_b rs_h "
+                             "rs_n out* xs_b xs_h xs_j B H C N budget")
 
 
 def _select_lib():
-    from kvpass.kernels import native
+    return native.function("clusterkv", "kvpass_select_clusters", [ctypes.POINTER(SelectClustersArgs)])
 
-    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_select_clusters", _SELECT_ARGTYPES)
+
+class ClusterArgs(ctypes.Structure):
+    """``kvpass_cluster_args`` (csrc/kvpass.h): ``kvpass_cluster_select``'s operands (:class:`ClusterStep`
+    fills it once and sets only what a step changes)."""
+
+    c_name = "kvpass_cluster_args"
+    _fields_ = native.fields("q* qs_b qs_h cent* cs_b cs_h cs_c sizes* zs_b zs_h zs_c offsets* fs_b fs_h fs_c "
+                             "order* rs_b rs_h rs_n first* ft_b out* xs_b xs_h B H G D C N L n_sinks cluster_budget "
+                             "n_recent cover W gqa_max")
+
+
+class ClusterStepArgs(ctypes.Structure):
+    """``kvpass_cluster_step_args``: the selection's operands, then the attention's over its list."""
+
+    c_name = "kvpass_cluster_step_args"
+    _fields_ = [("select", ClusterArgs), ("attend", cpu_decode.ListedArgs)]
 
 
 def _cluster_select_lib():
-    # the runtime's entry: the step's arguments packed in one int64 array (ClusterStep)
-    return native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_select_packed", [ctypes.c_void_p])
+    # the runtime's entry: the step's operands in one struct (ClusterStep)
+    return native.function("clusterkv", "kvpass_cluster_select", [ctypes.POINTER(ClusterArgs)])
 
 
 def select_clusters_cpu_available() -> bool:
@@ -868,9 +729,9 @@ def select_clusters_cpu(
     if out.numel() == 0:
         return out
     scores, sizes, offsets, order = scores.float(), sizes.long(), offsets.long(), order.long()
-    rc = fn(scores.data_ptr(), *scores.stride(), sizes.data_ptr(), *sizes.stride(),
-            offsets.data_ptr(), *offsets.stride(), order.data_ptr(), *order.stride(),
-            out.data_ptr(), *out.stride(), B, H, C, N, budget)
+    rc = fn(SelectClustersArgs(scores.data_ptr(), *scores.stride(), sizes.data_ptr(), *sizes.stride(),
+                                offsets.data_ptr(), *offsets.stride(), order.data_ptr(), *order.stride(),
+                                out.data_ptr(), *out.stride(), B, H, C, N, budget))
     if rc != 0:
         raise MemoryError(f"kvpass: {who} could not allocate its scratch")
     return out
@@ -913,8 +774,6 @@ def cluster_select_torch(
     ``[length - n_recent, length)``. Metadata shapes as in the module docstring; q ``(B, H_q, D)``."""
     b, h = centroids.shape[:2]
     dev = q.device
-    from kvpass.kernels.sparse_attention import sinks_picked_recent
-
     f = _first_rows(first, b, dev)
     picked = None
     if cluster_budget > 0:
@@ -943,13 +802,11 @@ def cluster_select_cpu(
         q, length, n_sinks, cluster_budget, n_recent, cover, width)
 
 
-_STEP_ARGS = 37 + cpu_decode.LISTED_SLOTS  # kvpass_cluster_step_packed's int64 array (the selection reads 37)
-
-
 class ClusterStep:
     """A ClusterKV layer's decode-step list on CPU (:func:`cluster_select_cpu`), its clusters checked once
-    and its C arguments kept packed (a state makes one where a cluster tensor or ``first`` is replaced,
-    :meth:`holds`; a step sets only the query, the length, the budgets and the output).
+    and its C operands kept in a :class:`ClusterStepArgs` (a state makes one where a cluster tensor or
+    ``first`` is replaced, :meth:`holds`; a step sets only the query, the length, the budgets and the
+    output).
 
     Args:
         centroids: ``(B, H_kv, C, D)`` fp32 CPU, last dim contiguous (ClusterKV, Liu et al. 2024).
@@ -962,9 +819,7 @@ class ClusterStep:
     def __init__(self, centroids: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor,
                  first: torch.Tensor | None, gqa: str = "sum"):
         self._fn = _cluster_select_lib()
-        self._step_fn = native.function("select_clusters", _SELECT_SOURCE, "kvpass_cluster_step_packed",
-                                        [ctypes.c_void_p])
-        self._listed = cpu_decode.ListedAttend()  # the attention's operands, where select_attend runs it
+        self._step_fn = native.function("clusterkv", "kvpass_cluster_step", [ctypes.POINTER(ClusterStepArgs)])
         cs = centroids.shape
         ok = (self._fn is not None and type(centroids) is torch.Tensor and centroids.is_cpu and len(cs) == 4
               and centroids.dtype == torch.float32 and cs[1] > 0 and centroids.stride(3) == 1
@@ -985,16 +840,18 @@ class ClusterStep:
                 f"first {None if first is None else (tuple(first.shape), first.dtype)}, gqa={gqa!r}")
         self.centroids, self.sizes, self.offsets, self.order, self.first = centroids, sizes, offsets, order, first
         self.b, self.h, self.d = b, h, cs[3]
-        a = self._a = (ctypes.c_int64 * _STEP_ARGS)()
-        a[3:7] = (centroids.data_ptr(), *centroids.stride()[:3])
-        a[7:11] = (sizes.data_ptr(), *sizes.stride())
-        a[11:15] = (offsets.data_ptr(), *offsets.stride())
-        a[15:19] = (order.data_ptr(), *order.stride())
+        self._args = ClusterStepArgs()
+        a = self._a = self._args.select  # a view into _args (it keeps _args alive)
+        self._ref, self._step_ref = ctypes.byref(a), ctypes.byref(self._args)
+        self._listed = cpu_decode.ListedAttend(self._args.attend)  # where select_attend runs it
+        a.cent, (a.cs_b, a.cs_h, a.cs_c) = centroids.data_ptr(), centroids.stride()[:3]
+        a.sizes, (a.zs_b, a.zs_h, a.zs_c) = sizes.data_ptr(), sizes.stride()
+        a.offsets, (a.fs_b, a.fs_h, a.fs_c) = offsets.data_ptr(), offsets.stride()
+        a.order, (a.rs_b, a.rs_h, a.rs_n) = order.data_ptr(), order.stride()
         if first is not None:
-            a[19:21] = (first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0)
-        a[24:26] = (b, h)
-        a[27:30] = (self.d, c, order.shape[2])
-        a[36] = int(gqa == "max")
+            a.first, a.ft_b = first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0
+        a.B, a.H, a.D, a.C, a.N = b, h, self.d, c, order.shape[2]
+        a.gqa_max = int(gqa == "max")
 
     def holds(self, centroids, sizes, offsets, order, first) -> bool:
         """Whether this step was made for these very tensors (a replaced one needs a new step)."""
@@ -1005,22 +862,22 @@ class ClusterStep:
                width: int) -> torch.Tensor:
         """``(B, H_kv, width)`` int64, this step's list (:func:`cluster_select_torch`), in one C call;
         ``q (B, H_q, D)`` or ``(B, H_q, 1, D)`` fp32, ``H_q = G * H_kv``."""
-        return self._run(self._fn, q, length, n_sinks, cluster_budget, n_recent, cover, width)
+        return self._run(self._fn, self._ref, q, length, n_sinks, cluster_budget, n_recent, cover, width)
 
     def select_attend(self, q: torch.Tensor, length: int, n_sinks: int, cluster_budget: int, n_recent: int,
                       cover: int, width: int, k: torch.Tensor, v: torch.Tensor, scale: float):
         """``(idx, out)``: :meth:`select`, then the decode attention of ``q (B, H_q, 1, D)`` over ``idx``
         in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read in place),
         ``out (B, H_q, 1, D)``, in one C call; None where that attention does not serve these operands."""
-        out = None if self._step_fn is None else self._listed.pack(self._a, 37, q, k, v, length, scale)
+        out = None if self._step_fn is None else self._listed.pack(q, k, v, length, scale)
         if out is None:
             return None
-        idx = self._run(self._step_fn, q, length, n_sinks, cluster_budget, n_recent, cover, width)
+        idx = self._run(self._step_fn, self._step_ref, q, length, n_sinks, cluster_budget, n_recent, cover, width)
         if idx.numel() == 0:
             out.zero_()  # nothing listed: the attention's empty rows, which it did not run
         return idx, out
 
-    def _run(self, fn, q, length, n_sinks, cluster_budget, n_recent, cover, width) -> torch.Tensor:
+    def _run(self, fn, ref, q, length, n_sinks, cluster_budget, n_recent, cover, width) -> torch.Tensor:
         b, h, d = self.b, self.h, self.d
         qs = q.shape
         if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
@@ -1033,11 +890,12 @@ class ClusterStep:
         if out.numel() == 0:
             return out
         a = self._a
-        a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
-        a[21:24] = (out.data_ptr(), out.stride(0), out.stride(1))
-        a[26] = qs[1] // h
-        a[30:36] = (length, n_sinks, cluster_budget, n_recent, cover, width)
-        if fn(a) != 0:
+        a.q, a.qs_b, a.qs_h = q.data_ptr(), q.stride(0), q.stride(1)
+        a.out, a.xs_b, a.xs_h = out.data_ptr(), out.stride(0), out.stride(1)
+        a.G = qs[1] // h
+        a.L, a.n_sinks, a.cluster_budget, a.n_recent, a.cover, a.W = (length, n_sinks, cluster_budget, n_recent,
+                                                                        cover, width)
+        if fn(ref) != 0:
             raise MemoryError("kvpass: cluster_select_cpu could not allocate its scratch")
         return out
 

@@ -1,10 +1,14 @@
-"""Small C kernels for the CPU paths, built once per machine and loaded with ctypes.
+"""The CPU kernels in C, built once per machine and loaded with ctypes.
 
-A kernel file that has a C counterpart of its Triton kernel (``cpu_decode.py``, ``clusterkv.py``) keeps
-its C source beside the Triton one and gets the library from :func:`library`. The library is compiled
-with the C compiler Inductor's CPU backend uses (``$CC``, else ``cc``; ``-O3 -march=native``, IEEE
-arithmetic, torch's OpenMP where torch runs on it, else pthreads: :func:`openmp_flags`) into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), named by a
-hash of the source, the compiler, the flags and the CPU's feature flags, so that a changed source or
+The C lives in ``kvpass/kernels/csrc/``: one file per kernel module (``cpu_decode.c``, ``clusterkv.c``,
+``quest.c``, ``tailorkv.c``) and one header, ``kvpass.h``, for what they share (the vector helpers, the
+softmax pieces, the listed-rows attention) and for every argument struct an entry point takes; each struct
+is mirrored by a ``ctypes.Structure`` in the kernel's Python file. The files ship as package data and are
+read when a library is first asked for, not at import. :func:`library` compiles ``csrc/<name>.c`` with the
+C compiler Inductor's CPU backend uses (``$CC``, else ``cc``; :data:`FLAGS`: ``-O3 -march=native``, IEEE
+arithmetic, ``-Wall -Wextra``, torch's OpenMP where torch runs on it, else pthreads: :func:`openmp_flags`)
+into ``$KVPASS_CACHE/native`` (default ``~/.cache/kvpass/native``), named by a hash of the sources (the
+file and the header), the compiler, the flags and the CPU's feature flags, so that a changed source or
 another CPU gets its own file; a second process loads the file without compiling. ``KVPASS_NATIVE=0``
 turns every C kernel off, and a machine without a working compiler has none: the callers then run their
 torch code (the same results; docs/design.md, "Fused decode attention on CPU").
@@ -24,78 +28,24 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["FLAGS", "VECTOR", "enabled", "function", "library", "openmp_flags"]
+__all__ = ["CSRC", "FLAGS", "enabled", "fields", "function", "library", "openmp_flags", "sources"]
 
-# no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised)
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+# no -ffast-math: the kernels keep IEEE arithmetic (their exp is their own, vectorised); the C is -Wall
+# -Wextra clean (tests/test_native.py fails on any warning)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread", "-Wall",
+         "-Wextra"]
 
-# fp32 vectors of the machine's width (GCC/Clang vector extensions) for the kernels' sums: C does not
-# reorder a float sum by itself, so a dot product vectorises only when written in lanes. Needs <string.h>
-# and <stdint.h>.
-VECTOR = r"""
-/* VW float lanes, the machine's own vector width: a vector wider than the hardware's is emulated
-   through the stack (a 16-lane vector on an AVX2 core ran the decode attention at 100 ns a row) */
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-typedef float v4 __attribute__((vector_size(16)));
-static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
-static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
-/* the VW lanes of x summed down to 4 (lane i + lane i + 4 + ...), then to one */
-static inline v4 fold4(vf x) {
-#if VW == 16
-    typedef float v8 __attribute__((vector_size(32)));
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#elif VW == 8
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
-#else
-    return x;
-#endif
-}
-static inline float hsumv(vf x) {
-    v4 b = fold4(x);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-/* sum of r[d] * m[d] over n values: VW lanes at a time (n % VW == 0), else one at a time (a scalar sum
-   is one chain of n dependent adds: the compiler may not reorder float additions) */
-static inline float dot(const float *r, const float *m, int64_t n) {
-    if (n % VW == 0) {
-        vf acc = loadv(r) * loadv(m);
-        for (int64_t d = VW; d < n; d += VW) acc += loadv(r + d) * loadv(m + d);
-        return hsumv(acc);
-    }
-    float acc = 0.f;
-    for (int64_t d = 0; d < n; d++) acc += r[d] * m[d];
-    return acc;
-}
-/* dot with four chains of adds where n % (4 VW) == 0 (another order of the sum): one chain waits on each
-   add's latency, four keep the vector unit busy; the rows still read in order, which the hardware
-   prefetcher follows (four rows side by side, read cold, it did not) */
-static inline float dot_wide(const float *r, const float *m, int64_t n) {
-    if (n % (4 * VW) != 0) return dot(r, m, n);
-    vf a0 = loadv(r) * loadv(m), a1 = loadv(r + VW) * loadv(m + VW), a2 = loadv(r + 2 * VW) * loadv(m + 2 * VW),
-       a3 = loadv(r + 3 * VW) * loadv(m + 3 * VW);
-    for (int64_t d = 4 * VW; d < n; d += 4 * VW) {
-        a0 += loadv(r + d) * loadv(m + d);
-        a1 += loadv(r + d + VW) * loadv(m + d + VW);
-        a2 += loadv(r + d + 2 * VW) * loadv(m + d + 2 * VW);
-        a3 += loadv(r + d + 3 * VW) * loadv(m + d + 3 * VW);
-    }
-    return hsumv((a0 + a1) + (a2 + a3));
-}
-"""
+CSRC = Path(__file__).with_name("csrc")  # the C files and their header, shipped as package data
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _functions: dict[tuple, object] = {}
+
+
+def fields(spec: str) -> list[tuple[str, type]]:
+    """A ``ctypes.Structure``'s ``_fields_`` from the C struct's field names in order, a pointer marked by a
+    trailing ``*`` (``void *``), the others ``int64_t``: ``fields("q* qs_b qs_h")``."""
+    return [(n[:-1], ctypes.c_void_p) if n.endswith("*") else (n, ctypes.c_int64) for n in spec.split()]
 
 
 def enabled() -> bool:
@@ -134,60 +84,79 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"] if "libgomp" in maps else []
 
 
-def _build(name: str, source: str) -> Path | None:
+def sources(name: str, root: Path | None = None) -> str:
+    """The text a build of ``<root>/<name>.c`` reads: the file, then every header beside it (sorted by
+    name), each after its name. ``root``: default :data:`CSRC`."""
+    root = CSRC if root is None else Path(root)
+    files = [root / f"{name}.c", *sorted(root.glob("*.h"))]
+    return "".join(f"// {f.name}\n{f.read_text()}" for f in files)
+
+
+def _build(name: str, root: Path, defines: tuple[str, ...]) -> Path | None:
+    try:
+        text = sources(name, root)
+    except OSError:  # a file missing from the installed package: no C kernels
+        return None
     omp = openmp_flags()
-    path = _compile(name, source, FLAGS + omp)
+    path = _compile(name, root, text, [*FLAGS, *omp, *defines])
     if path is None and omp:  # a compiler without OpenMP: the pthread loops
-        path = _compile(name, source, FLAGS)
+        path = _compile(name, root, text, [*FLAGS, *defines])
     return path
 
 
-def _compile(name: str, source: str, flags: list[str]) -> Path | None:
+def _compile(name: str, root: Path, text: str, flags: list[str]) -> Path | None:
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([text, cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{name}-{key}.so"
     if path.exists():
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src = Path(tmp) / f"{name}.c"
-            src.write_text(source)
             so = Path(tmp) / path.name
-            subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run([cc, *flags, f"-I{root}", str(root / f"{name}.c"), "-o", str(so), "-lm"], check=True,
+                           capture_output=True, timeout=120)
             os.replace(so, path)  # atomic: a process building the same key at once gets a whole file
     except (OSError, subprocess.SubprocessError):  # no compiler, a failed build, a cache not writable
         return None
     return path
 
 
-def library(name: str, source: str) -> ctypes.CDLL | None:
-    """The compiled ``source`` (built on first use), or None where C kernels are off or cannot be built."""
-    key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()}"
+def _defines(defines: dict[str, object] | None) -> tuple[str, ...]:
+    return tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+
+
+def library(name: str, defines: dict[str, object] | None = None, root: Path | None = None) -> ctypes.CDLL | None:
+    """The compiled ``csrc/<name>.c`` (built on first use), or None where C kernels are off or cannot be
+    built. ``defines``: macros passed as ``-D`` (a test's variant build); ``root``: another folder of C
+    files (default :data:`CSRC`). One load per process and (name, defines, root)."""
+    root = CSRC if root is None else Path(root)
+    flags = _defines(defines)
+    key = f"{name}:{root}:{flags}"
     if key in _loaded:
         return _loaded[key]
     with _lock:
         if key not in _loaded:
-            path = _build(name, source) if enabled() else None
+            path = _build(name, root, flags) if enabled() else None
             lib = None
             if path is not None:
                 try:
                     lib = ctypes.CDLL(str(path))
                 except OSError:  # a damaged file in the cache: build it again, once
                     path.unlink(missing_ok=True)
-                    path = _build(name, source)
+                    path = _build(name, root, flags)
                     lib = ctypes.CDLL(str(path)) if path is not None else None
             _loaded[key] = lib
         return _loaded[key]
 
 
-def function(name: str, source: str, symbol: str, argtypes: list, restype=ctypes.c_int):
-    """The C function ``symbol`` of :func:`library` ``(name, source)`` with its ctypes signature, or None
+def function(name: str, symbol: str, argtypes: list, restype=ctypes.c_int,
+             defines: dict[str, object] | None = None):
+    """The C function ``symbol`` of :func:`library` ``(name, defines)`` with its ctypes signature, or None
     where C kernels are off or cannot be built. Made once per process."""
-    key = (name, symbol, hash(source), len(source))  # a str caches its hash: no work per call
+    key = (name, symbol) if defines is None else (name, symbol, _defines(defines))  # no work per call
     if key not in _functions:
-        lib = library(name, source)
+        lib = library(name, defines)
         fn = None
         if lib is not None:
             fn = getattr(lib, symbol)

@@ -22,7 +22,10 @@ Contents: :func:`quest_page_minmax_ref` and :func:`quest_update_minmax_` (plain 
 built once at prefill and patched per decode step, neither is worth a kernel), the Triton scorer
 ``_quest_page_scores_kernel`` / :func:`quest_page_scores` and its reference
 :func:`quest_page_scores_ref`, and :func:`quest_top_pages_cpu`, the CPU decode step's scoring and
-top-page choice in C (:mod:`kvpass.kernels.native`; one call instead of a dozen torch ops per site).
+top-page choice in C (:mod:`kvpass.kernels.native`; one call instead of a dozen torch ops per site),
+with :class:`QuestStep` for the runtime's steps. The C is ``kvpass/kernels/csrc/quest.c``; its argument
+structs are declared in ``csrc/kvpass.h`` and mirrored here by ``ctypes.Structure`` classes
+(:class:`QuestArgs`, :class:`QuestStepArgs`) with the same field names.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import torch
 
 from . import cpu_decode, native
 from ._triton import require_triton, tl, triton
-from .native import VECTOR
 
 __all__ = [
     "BOUNDS_DTYPE",
@@ -349,267 +351,24 @@ def quest_page_scores_ref(
 # The CPU decode step's page choice, in C
 # --------------------------------------------------------------------------------------------------
 
-_TOP_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-""" + VECTOR + cpu_decode.LISTED_C + r"""
+class QuestArgs(ctypes.Structure):
+    """``kvpass_quest_args`` (csrc/kvpass.h): ``kvpass_quest_select``'s operands (:class:`QuestStep` fills
+    it once and sets only what a step changes)."""
 
-/* pages the bound loop asks for ahead of its use: the hardware prefetcher alone kept the reads of the
-   bounds about 15 % slower a call (B 1 and 8 at 8k, 1 and 2 threads, one process A/B: 116 -> 100 us a
-   site at batch 1, 1 thread); 4 to 24 pages ahead and a prefetch into every cache level read the same */
-#define PF 8
-
-/* fp16 bounds (the rows of `meta`), read VW at a time as fp32 lanes */
-typedef _Float16 half;
-#if VW == 16
-#include <immintrin.h>
-static inline vf loadh(const half *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-#elif VW == 8 && defined(__F16C__)
-#include <immintrin.h>
-static inline vf loadh(const half *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-#else
-static inline vf loadh(const half *p) { vf x; for (int i = 0; i < VW; i++) x[i] = (float)p[i]; return x; }
-#endif
-/* sum of r[d] * m[d], m fp16: two chains of adds where n % (2 VW) == 0, else one at a time */
-static inline float dot_half(const float *r, const half *m, int64_t n) {
-    if (n % (2 * VW) != 0) {
-        float acc = 0.f;
-        for (int64_t d = 0; d < n; d++) acc += r[d] * (float)m[d];
-        return acc;
-    }
-    vf a0 = loadv(r) * loadh(m), a1 = loadv(r + VW) * loadh(m + VW);
-    for (int64_t d = 2 * VW; d < n; d += 2 * VW) {
-        a0 += loadv(r + d) * loadh(m + d);
-        a1 += loadv(r + d + VW) * loadh(m + d + VW);
-    }
-    return hsumv(a0 + a1);
-}
-/* the next fp16 toward +inf (up) or -inf: what torch.nextafter gives */
-static inline half half_step(half h, int up) {
-    uint16_t u;
-    memcpy(&u, &h, 2);
-    if ((u & 0x7fff) == 0) u = up ? 0x0001 : 0x8001;
-    else if (u & 0x8000) u = up ? u - 1 : u + 1;
-    else u = up ? u + 1 : u - 1;
-    memcpy(&h, &u, 2);
-    return h;
-}
-/* x in fp16 rounded up (a page's max) or down (its min), as kvpass.kernels.quest.quest_bounds does */
-static inline half half_up(float x) { half h = (half)x; return (float)h < x ? half_step(h, 1) : h; }
-static inline half half_down(float x) { half h = (half)x; return (float)h > x ? half_step(h, 0) : h; }
-
-/* The k-th largest (1 <= k <= n) of x[0, n), reordering x: a quickselect whose rounds split the keys
-   three ways (above the pivot, equal to it, below: ties settle in one round), the median of three as pivot; past SELECT_ROUNDS rounds (inputs made to defeat the
-   pivot) the rest is sorted. */
-#define SELECT_ROUNDS 64
-static int desc_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x < y) - (x > y);
-}
-static float kth_largest(float *restrict x, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n, want = k - 1;
-    for (int round = 0;; round++) {
-        if (round == SELECT_ROUNDS) {
-            qsort(x + lo, (size_t)(hi - lo), sizeof(float), desc_float);
-            return x[want];
-        }
-        if (hi - lo == 1) return x[lo];
-        float a = x[lo], b = x[lo + (hi - lo) / 2], c = x[hi - 1];
-        float piv = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-        /* branch-free partitions (a swap at every key, the bound moved by the comparison): the keys above
-           piv to [lo, lt), then those equal to it to [lt, eq) */
-        int64_t lt = lo;
-        for (int64_t i = lo; i < hi; i++) {
-            float v = x[i];
-            x[i] = x[lt];
-            x[lt] = v;
-            lt += v > piv;
-        }
-        if (want < lt) { hi = lt; continue; }
-        int64_t eq = lt;
-        for (int64_t i = lt; i < hi; i++) {
-            float v = x[i];
-            x[i] = x[eq];
-            x[eq] = v;
-            eq += v == piv;
-        }
-        if (want < eq) return piv;
-        lo = eq;
-    }
-}
-
-/* One (b, kv head) pair: the top k of its P pages (rows: 1 query bound, or G with gqa_max; ties to the
-   lower page) written to o (stride ps_n, W + 1 slots) in ascending order, the newest page after them,
-   then -1; its token positions to x when x is not NULL. Every bound is scored first (no branch on the
-   ranking in that loop), then the k-th best found (kth_largest) and the pages above it taken in one pass
-   without branches. A heap of the best so far, updated page by page, cost a third of the call (8k, 30
-   sites' bounds, one process A/B, us a site: batch 1 62 -> 40 at 1 thread, 49 -> 29 at 2; batch 8 433 ->
-   297 at 1). qq (2 D G), sc and tmp (P) are scratch. */
-static inline __attribute__((always_inline)) void quest_pair(
-        const float *restrict qg, int64_t qs_h, const half *restrict mp, int64_t ms_p, int64_t *restrict o,
-        int64_t ps_n, int64_t *restrict x, int64_t f, int64_t L, int64_t page, int64_t P, int64_t k, int64_t W,
-        int64_t G, int64_t D, int64_t gqa_max, float *restrict qq, float *restrict sc, float *restrict tmp) {
-    int64_t rows = gqa_max ? G : 1;
-    for (int64_t d = 0; d < 2 * D * rows; d++) qq[d] = 0.f;
-    for (int64_t g = 0; g < G; g++) {
-        float *r = qq + (gqa_max ? g : 0) * 2 * D;
-        for (int64_t d = 0; d < D; d++) {
-            float v = qg[g * qs_h + d];
-            r[d] += v > 0.f ? v : 0.f;
-            r[D + d] += v < 0.f ? v : 0.f;
-        }
-    }
-    int64_t j = 0;
-    if (k >= P) {
-        for (int64_t p = 0; p < P; p++) o[(j++) * ps_n] = p;
-    } else if (k > 0) {
-        for (int64_t p = 0; p < P; p++) {
-            const half *m = mp + p * ms_p;
-            if (p + PF < P) for (int64_t c = 0; c < 2 * D; c += 32) __builtin_prefetch(m + PF * ms_p + c, 0, 0);
-            float best = 0.f;
-            for (int64_t g = 0; g < rows; g++) {
-                float acc = dot_half(qq + g * 2 * D, m, 2 * D);  /* 2D halves: 128 for SmolLM2 */
-                acc = acc != acc ? __builtin_inff() : acc;  /* 0 * inf: a bound past fp16's range, unknown */
-                best = (g == 0 || acc > best) ? acc : best;
-            }
-            sc[p] = best;
-        }
-        memcpy(tmp, sc, sizeof(float) * (size_t)P);
-        float cut = kth_largest(tmp, P, k);
-        int64_t eq = k;  /* of the pages equal to the cut, the first k - (pages above it) */
-        for (int64_t p = 0; p < P; p++) eq -= sc[p] > cut;
-        for (int64_t p = 0; p < P; p++) {  /* a store at every page, j moved where it is taken: no branch */
-            int64_t at = sc[p] == cut, take = ((sc[p] > cut) | (at & (eq > 0))) & (j < k);  /* j < k: o's bound */
-            eq -= at & take;
-            o[j * ps_n] = p;
-            j += take;
-        }
-    }
-    if (P >= 0) o[(j++) * ps_n] = P;
-    for (; j <= W; j++) o[j * ps_n] = -1;
-    if (x) {
-        for (j = 0; j <= W; j++) {
-            int64_t pg = o[j * ps_n];
-            for (int64_t t = 0; t < page; t++) {
-                int64_t pos = f + pg * page + t;
-                x[j * page + t] = (pg >= 0 && pos < L) ? pos : -1;
-            }
-        }
-    }
-}
-
-/* The arguments of kvpass_quest_select, for its pairs [lo, hi) */
-typedef struct {
-    const float *q, *knew;
-    half *meta;
-    const int64_t *first;
-    int64_t *pages, *idx;
-    int64_t qs_b, qs_h, ks_b, ks_h, ms_b, ms_h, ms_p, fs_b, ps_b, ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n,
-        W, gqa_max;
-} quest_args;
-
-static int quest_pairs(const quest_args *a, int64_t lo, int64_t hi) {
-    const int64_t pmax = (a->L + a->page - 1) / a->page;
-    float *qq = (float *)malloc(sizeof(float) * (size_t)(2 * a->D * a->G));
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(2 * (pmax > 0 ? pmax : 1)));
-    int rc = (qq && sc) ? 0 : -1;
-    for (int64_t pr = lo; pr < hi && !rc; pr++) {
-        int64_t b = pr / a->H, h = pr % a->H;
-        int64_t f = a->first ? a->first[b * a->fs_b] : 0;
-        int64_t nb = a->L - f;
-        int64_t P = nb > 0 ? (nb + a->page - 1) / a->page - 1 : -1;
-        int64_t k = nb <= a->budget ? P : (a->n < P ? a->n : P);
-        if (k > a->W) k = a->W;
-        if (k < 0) k = 0;
-        if (a->knew && P >= 0) {
-            /* the step's key (position L - 1) joins its page, the newest (P): a steady step's metadata update */
-            const float *kn = a->knew + b * a->ks_b + h * a->ks_h;
-            half *m = a->meta + b * a->ms_b + h * a->ms_h + P * a->ms_p;
-            for (int64_t d = 0; d < a->D; d++) {
-                half hi = half_up(kn[d]), lo = half_down(kn[d]);
-                if (hi > m[d]) m[d] = hi;
-                if (lo < m[a->D + d]) m[a->D + d] = lo;
-            }
-        }
-        quest_pair(a->q + b * a->qs_b + h * a->G * a->qs_h, a->qs_h, a->meta + b * a->ms_b + h * a->ms_h, a->ms_p,
-                   a->pages + b * a->ps_b + h * a->ps_h, a->ps_n, a->idx ? a->idx + b * a->is_b + h * a->is_h : NULL,
-                   f, a->L, a->page, P, k, a->W, a->G, a->D, a->gqa_max, qq, sc, sc + pmax);
-    }
-    free(qq);
-    free(sc);
-    return rc;
-}
-
-#define MAX_THREADS 64
-/* Per (b, kv head) of a decode step at length L: the row's pages start at its first real position f
-   (first[b * fs_b], 0 without `first`), so the row has nb = L - f tokens in ceil(nb / page) pages, the
-   last one (the newest) always taken. The Quest bound of the P = pages - 1 others for the query group,
-   the top k of them (ties to the lower page): k = P where the row fits in `budget` (nb <= budget: every
-   page, as the row alone attends all of it), else min(n, P). Written to `pages` (W + 1 slots): the top
-   k in ascending page order, then the newest, then -1. `idx` (may be NULL, last stride 1): the token
-   positions of those pages in the cache, f + page * page_size + t, -1 past L or for a -1 page. meta rows
-   are [max | min] (2D fp16, rounded outward) in the row's own pages; gqa_max: the group's bound is the
-   max of its queries' bounds, else their sum. The pairs split over up to `threads` threads of torch's
-   OpenMP pool (kvpass.kernels.native) when each gets at least 64k bounds (128 KB) to read; one thread
-   without OpenMP. knew (may be NULL, last stride 1): the step's key (B, H, D) fp32 at position L - 1,
-   merged into its row's newest page first (max rounded up, min down), so that a steady decode step
-   updates the metadata here rather than in ops of its own. Returns 0, or -1 when scratch cannot be had. */
-int kvpass_quest_select(const float *q, int64_t qs_b, int64_t qs_h,
-                        const float *knew, int64_t ks_b, int64_t ks_h,
-                        half *meta, int64_t ms_b, int64_t ms_h, int64_t ms_p,
-                        const int64_t *first, int64_t fs_b,
-                        int64_t *pages, int64_t ps_b, int64_t ps_h, int64_t ps_n,
-                        int64_t *idx, int64_t is_b, int64_t is_h,
-                        int64_t B, int64_t H, int64_t G, int64_t D,
-                        int64_t L, int64_t page, int64_t budget, int64_t n, int64_t W, int64_t gqa_max,
-                        int64_t threads) {
-    const quest_args a = {q, knew, meta, first, pages, idx, qs_b, qs_h, ks_b, ks_h, ms_b, ms_h, ms_p, fs_b, ps_b,
-                          ps_h, ps_n, is_b, is_h, H, G, D, L, page, budget, n, W, gqa_max};
-    const int64_t pmax = (L + page - 1) / page, pairs = B * H;
-    int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (t > pairs) t = pairs;
-    if (pairs * pmax * 2 * D < 65536 * t) t = 1;  /* 128 KB of fp16 bounds a thread: split at 8k, batch 1 */
-#ifdef _OPENMP
-    if (t > 1) {
-        int rc = 0;
-        #pragma omp parallel for num_threads(t) schedule(static, 1) reduction(|:rc)
-        for (int64_t i = 0; i < t; i++) rc |= quest_pairs(&a, pairs * i / t, pairs * (i + 1) / t);
-        return rc ? -1 : 0;
-    }
-#endif
-    return quest_pairs(&a, 0, pairs);
-}
-
-/* kvpass_quest_select with its arguments in one int64 array, in its order, pointers as integers: a ctypes
-   call converts each argument (about 0.2 us each), and a decode step changes only a few of them */
-#define P_(T, x) ((T)(intptr_t)(x))
-int kvpass_quest_select_packed(const int64_t *a) {
-    return kvpass_quest_select(P_(const float *, a[0]), a[1], a[2], P_(const float *, a[3]), a[4], a[5],
-                               P_(half *, a[6]), a[7], a[8], a[9], P_(const int64_t *, a[10]), a[11],
-                               P_(int64_t *, a[12]), a[13], a[14], a[15], P_(int64_t *, a[16]), a[17], a[18],
-                               a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29]);
-}
-
-/* kvpass_quest_select_packed, then the decode attention over the positions it listed (a[30 : 44]:
-   kvpass.kernels.cpu_decode's LISTED_SLOTS, filled by its ListedAttend) */
-int kvpass_quest_step_packed(const int64_t *a) {
-    int rc = kvpass_quest_select_packed(a);
-    if (rc) return rc;
-    return attend_listed(a + 30, P_(const float *, a[0]), a[1], a[2], P_(const int64_t *, a[16]), a[17], a[18],
-                         a[19], a[20], a[21], a[23], (a[27] + 1) * a[24], a[22]);
-}
-"""
+    c_name = "kvpass_quest_args"
+    _fields_ = native.fields("q* qs_b qs_h knew* ks_b ks_h meta* ms_b ms_h ms_p first* fs_b pages* ps_b ps_h ps_n "
+                             "idx* is_b is_h B H G D L page budget n W gqa_max threads")
 
 
-_TOP_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-                 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-                 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-                 + [ctypes.c_void_p] + [ctypes.c_int64] * 13)
+class QuestStepArgs(ctypes.Structure):
+    """``kvpass_quest_step_args``: the selection's operands, then the attention's over the positions it lists."""
+
+    c_name = "kvpass_quest_step_args"
+    _fields_ = [("select", QuestArgs), ("attend", cpu_decode.ListedArgs)]
 
 
 def _top_lib():
-    return native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select", _TOP_ARGTYPES)
+    return native.function("quest", "kvpass_quest_select", [ctypes.POINTER(QuestArgs)])
 
 
 def quest_top_pages_cpu_available() -> bool:
@@ -652,9 +411,12 @@ def quest_top_pages_cpu(
     k = min(n, scored)
     out = torch.empty((B, H, k + 1), dtype=torch.int64)
     # one page_size-1 "cache" of scored + 1 pages, no budget: every row scores `scored` pages
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), None, 0, 0, meta.data_ptr(), *meta.stride()[:3], None, 0,
-            out.data_ptr(), *out.stride(), None, 0, 0, B, H, H_q // H, D, scored + 1, 1, -1, k, k,
-            int(gqa == "max"), torch.get_num_threads())
+    a = QuestArgs(q=q.data_ptr(), qs_b=q.stride(0), qs_h=q.stride(1), meta=meta.data_ptr(),
+                  pages=out.data_ptr(), B=B, H=H, G=H_q // H, D=D, L=scored + 1, page=1, budget=-1, n=k, W=k,
+                  gqa_max=int(gqa == "max"), threads=torch.get_num_threads())
+    a.ms_b, a.ms_h, a.ms_p = meta.stride()[:3]
+    a.ps_b, a.ps_h, a.ps_n = out.stride()
+    rc = fn(ctypes.byref(a))
     if rc != 0:
         raise MemoryError("kvpass: quest_top_pages_cpu could not allocate its scratch")
     return out
@@ -692,15 +454,11 @@ def quest_select_cpu(
     return QuestStep(meta, first, page_size, budget, gqa).select(q, length, n, width, k_new)
 
 
-# kvpass_quest_step_packed's int64 array (kvpass_quest_select_packed reads the first 30)
-_STEP_ARGS = 30 + cpu_decode.LISTED_SLOTS
-
-
 class QuestStep:
     """A Quest layer's decode-step selection on CPU (:func:`quest_select_cpu`), its fixed operands checked
-    once and its C arguments kept packed (a state makes one where ``meta`` or ``first`` is replaced,
-    :meth:`holds`; a step sets only the query, the key, the length, the outputs and, where it attends
-    too (:meth:`select_attend`), the cache).
+    once and its C operands kept in a :class:`QuestStepArgs` (a state makes one where ``meta`` or
+    ``first`` is replaced, :meth:`holds`; a step sets only the query, the key, the length, the outputs
+    and, where it attends too (:meth:`select_attend`), the cache).
 
     Args:
         meta: ``(B, H_kv, P_cap, 2D)`` fp16 CPU ``[max | min]`` page bounds (:func:`quest_bounds`), last
@@ -712,10 +470,8 @@ class QuestStep:
 
     def __init__(self, meta: torch.Tensor, first: torch.Tensor | None, page_size: int, budget: int,
                  gqa: str = "sum"):
-        self._fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_select_packed", [ctypes.c_void_p])
-        self._step_fn = native.function("quest_select", _TOP_SOURCE, "kvpass_quest_step_packed",
-                                        [ctypes.c_void_p])
-        self._listed = cpu_decode.ListedAttend()  # the attention's operands, where select_attend runs it
+        self._fn = _top_lib()
+        self._step_fn = native.function("quest", "kvpass_quest_step", [ctypes.POINTER(QuestStepArgs)])
         ok = (self._fn is not None and type(meta) is torch.Tensor and meta.is_cpu and meta.dtype == BOUNDS_DTYPE
               and meta.dim() == 4 and meta.shape[1] > 0 and meta.shape[3] % 2 == 0 and meta.stride(3) == 1
               and page_size > 0 and gqa in ("sum", "max"))
@@ -730,14 +486,16 @@ class QuestStep:
                 f"{None if first is None else (tuple(first.shape), first.dtype)}, page_size={page_size}, gqa={gqa!r}")
         self.meta, self.first = meta, first
         self.b, self.h, self.d, self.cap, self.page = b, meta.shape[1], meta.shape[3] // 2, meta.shape[2], page_size
-        a = self._a = (ctypes.c_int64 * _STEP_ARGS)()
-        a[6:10] = (meta.data_ptr(), *meta.stride()[:3])
+        self._args = QuestStepArgs()
+        a = self._a = self._args.select  # a view into _args (it keeps _args alive)
+        self._ref, self._step_ref = ctypes.byref(a), ctypes.byref(self._args)
+        self._listed = cpu_decode.ListedAttend(self._args.attend)  # where select_attend runs it
+        a.meta, (a.ms_b, a.ms_h, a.ms_p) = meta.data_ptr(), meta.stride()[:3]
         if first is not None:
-            a[10:12] = (first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0)
-        a[19:21] = (b, self.h)
-        a[22] = self.d
-        a[24:26] = (page_size, budget)
-        a[28] = int(gqa == "max")
+            a.first, a.fs_b = first.data_ptr(), first.stride(0) if first.shape[0] > 1 else 0
+        a.B, a.H, a.D = b, self.h, self.d
+        a.page, a.budget = page_size, budget
+        a.gqa_max = int(gqa == "max")
 
     def holds(self, meta: torch.Tensor, first: torch.Tensor | None) -> bool:
         """Whether this step was made for these very tensors (a replaced buffer needs a new one)."""
@@ -752,7 +510,7 @@ class QuestStep:
             k_new: the step's key, merged into its page first: ``(B, H_kv, D)``, or the cache ``(B, H_kv,
                 S >= length, D)`` whose position ``length - 1`` it is (read in place: no view of it).
         """
-        return self._run(self._fn, q, length, n, width, k_new)
+        return self._run(self._fn, self._ref, q, length, n, width, k_new)
 
     def select_attend(self, q: torch.Tensor, length: int, n: int, width: int, k: torch.Tensor,
                       v: torch.Tensor, scale: float, k_new: torch.Tensor | None = None):
@@ -760,13 +518,13 @@ class QuestStep:
         ``idx`` in ``k, v (B, H_kv, S >= length, D)`` (:func:`kvpass.kernels.cpu_decode.decode_step`, read
         in place), ``out (B, H_q, 1, D)``, in one C call; None, having done nothing, where that attention
         does not serve these operands (the caller then selects and attends in two calls)."""
-        out = None if self._step_fn is None else self._listed.pack(self._a, 30, q, k, v, length, scale)
+        out = None if self._step_fn is None else self._listed.pack(q, k, v, length, scale)
         if out is None:
             return None
-        pages, idx = self._run(self._step_fn, q, length, n, width, k_new)
+        pages, idx = self._run(self._step_fn, self._step_ref, q, length, n, width, k_new)
         return pages, idx, out
 
-    def _run(self, fn, q, length, n, width, k_new) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, fn, ref, q, length, n, width, k_new) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d, page = self.b, self.h, self.d, self.page
         qs = q.shape
         if not (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and qs[0] == b and qs[-1] == d
@@ -777,27 +535,26 @@ class QuestStep:
                 f"of {h}, with a contiguous last dim, n >= 0, width >= 0 and 0 <= length <= P_cap * page_size = "
                 f"{self.cap * page}; got q {tuple(qs)} {q.dtype}, n={n}, width={width}, length={length}")
         a = self._a
-        a[3] = 0
+        a.knew = None
         if k_new is not None:
             ks = k_new.shape
             if (type(k_new) is torch.Tensor and k_new.is_cpu and k_new.dtype == torch.float32 and ks[0] == b
                     and ks[1] == h and ks[-1] == d and k_new.stride(-1) == 1
                     and (len(ks) == 3 or (len(ks) == 4 and ks[2] >= length))):
                 at = 0 if len(ks) == 3 else (length - 1) * k_new.stride(2) * 4
-                a[3:6] = (k_new.data_ptr() + at, k_new.stride(0), k_new.stride(1))
+                a.knew, a.ks_b, a.ks_h = k_new.data_ptr() + at, k_new.stride(0), k_new.stride(1)
             else:  # another dtype or layout: merged in torch
                 quest_fold_key_(self.meta, k_new if len(ks) == 3 else k_new[:, :, length - 1], self.first,
                                 length, page)
         pages = torch.empty((b, h, width + 1), dtype=torch.int64)
         idx = torch.empty((b, h, (width + 1) * page), dtype=torch.int64)
         ps, xs = pages.stride(), idx.stride()
-        a[0:3] = (q.data_ptr(), q.stride(0), q.stride(1))
-        a[12:19] = (pages.data_ptr(), ps[0], ps[1], ps[2], idx.data_ptr(), xs[0], xs[1])
-        a[21] = qs[1] // h
-        a[23] = length
-        a[26:28] = (n, width)
-        a[29] = torch.get_num_threads()
-        if fn(a) != 0:
+        a.q, a.qs_b, a.qs_h = q.data_ptr(), q.stride(0), q.stride(1)
+        a.pages, a.ps_b, a.ps_h, a.ps_n = pages.data_ptr(), ps[0], ps[1], ps[2]
+        a.idx, a.is_b, a.is_h = idx.data_ptr(), xs[0], xs[1]
+        a.G, a.L, a.n, a.W = qs[1] // h, length, n, width
+        a.threads = torch.get_num_threads()
+        if fn(ref) != 0:
             raise MemoryError("kvpass: quest_select_cpu could not allocate its scratch")
         return pages, idx
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.kernels import quest, sparse_attention as sa
+from kvpass.kernels import centroid, clusterkv, quest, sparse_attention as sa, tailorkv
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -41,7 +41,6 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pa
 
 def cosine_kmeans(keys: torch.Tensor, num_clusters: int, max_iters: int, seed: int):
     """ClusterKV's cosine k-means of ``keys (B, H_kv, N, D)``: see :mod:`kvpass.kernels.clusterkv`."""
-    from kvpass.kernels import clusterkv
 
     return clusterkv.cosine_kmeans(keys, num_clusters, max_iters=max_iters, seed=seed,
                                    use_triton=_use_triton(keys))
@@ -49,7 +48,6 @@ def cosine_kmeans(keys: torch.Tensor, num_clusters: int, max_iters: int, seed: i
 
 def select_clusters(scores, sizes, offsets, order, budget: int) -> torch.Tensor:
     """(B, H_kv, budget) token positions of the best whole clusters (the last one trimmed)."""
-    from kvpass.kernels import clusterkv
 
     if _use_triton(scores):
         return clusterkv.select_clusters(scores, sizes, offsets, order, budget)
@@ -60,7 +58,6 @@ def select_clusters(scores, sizes, offsets, order, budget: int) -> torch.Tensor:
 
 def chunk_match(k: torch.Tensor, lo: int, hi: int, chunk: int):
     """CentroidKV's chunked soft matching: ``(a_pos, b_pos, sim)`` (see :mod:`kvpass.kernels.centroid`)."""
-    from kvpass.kernels import centroid
 
     if _use_triton(k):
         return centroid.chunk_match(k, lo, hi, chunk)
@@ -70,14 +67,12 @@ def chunk_match(k: torch.Tensor, lo: int, hi: int, chunk: int):
 def centroid_attention(q, k, v, deg, scale: float, bias=None) -> torch.Tensor:
     """(B, H_q, Dv) decode attention with the log-degree bias (degree 0: the slot is ignored); ``bias``:
     that bias when the caller keeps it."""
-    from kvpass.kernels import centroid
 
     return centroid.centroid_decode_attention(q, k, v, deg, scale=scale, use_triton=_use_triton(q), bias=bias)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
     """TailorKV's asymmetric quantise-and-pack of ``x (B, H, S, D)`` (a :class:`QuantizedKV`)."""
-    from kvpass.kernels import tailorkv
 
     if _use_triton(x):
         return tailorkv.quantize_pack(x, bits, group_size, axis)
@@ -86,7 +81,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
 
 def quant_attention(q, kq, vq, k_res, v_res, scale: float) -> torch.Tensor:
     """(B, H_q, D) decode attention over a packed cache plus a full-precision residual."""
-    from kvpass.kernels import tailorkv
 
     if _use_triton(q):
         return tailorkv.quant_decode_attention(q, kq, vq, k_res, v_res, scale=scale)
@@ -97,7 +91,6 @@ def quant_attention(q, kq, vq, k_res, v_res, scale: float) -> torch.Tensor:
 
 def partial_topk(q, k_ch, ch, k: int, length: int):
     """TailorKV's approximate top-k from the critical channels: ``(idx (B, H_kv, k), approx)``."""
-    from kvpass.kernels import tailorkv
 
     if _use_triton(q):
         return tailorkv.partial_topk(q, k_ch, ch, k, length)

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from kvpass.patterns.attention import _val, module_path
+from kvpass.patterns.attention import _val, layer_of, module_path
 
 
 @dataclasses.dataclass
@@ -79,7 +79,6 @@ def _is_hidden(n: fx.Node) -> bool:
 def find_residuals(slices: list[QuerySlice]) -> None:
     """Set each slice's ``residual``: its one floating (B, T, hidden) input that no other layer's
     query slice reads (RoPE's cos/sin are read by every layer; the weights are graph inputs)."""
-    from kvpass.patterns.attention import layer_of
 
     for s in slices:
         if not s.nodes:

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._dynamo.utils import counters
 
+from kvpass.patterns.attention import Unmatched
+
 if TYPE_CHECKING:
-    from kvpass.api import KVPassBackend
-    from kvpass.lowering.graph_pass import GraphRecord
+    from kvpass.lowering.graph_pass import GraphRecord, PassHost
 
 #: Bumped when the record's layout changes, so that old records are not misread.
 FORMAT = 2
@@ -81,10 +82,9 @@ def save(key: str, records: list[GraphRecord]) -> None:
         return
 
 
-def restore(key: str, backend: KVPassBackend) -> bool:
+def restore(key: str, backend: PassHost) -> bool:
     """Replay the record of ``key`` into ``backend`` (site ids, site infos, graph records); False,
     changing nothing, when there is no readable record or its site ids clash with the backend's."""
-    from kvpass.patterns.attention import Unmatched
 
     try:
         body = json.loads(_path(key).read_text())

@@ -6,25 +6,50 @@ import dataclasses
 import hashlib
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from kvpass.lowering.estimate import find_residuals, insert_estimate, layer_prefix, query_slice
+from kvpass.lowering.linear import transpose_skinny_linears
+from kvpass.lowering.nodes import fake_value, insert_node
+from kvpass.lowering.shards import heads_label
 from kvpass.patterns.attention import SiteMatch, Unmatched, _val, find_sites
 
-if TYPE_CHECKING:
-    from kvpass.api import KVPassBackend
 
 _PKG = Path(__file__).resolve().parent.parent
 # The code whose change must invalidate compiled graphs (FX graph cache keys include the uuid).
 _PASS_FILES = tuple(
     str(_PKG / f)
     for f in ("patterns/attention.py", "lowering/graph_pass.py", "lowering/ops.py", "lowering/estimate.py",
-              "lowering/linear.py")
+              "lowering/linear.py", "lowering/nodes.py",
+              "lowering/shards.py")
 )
+
+
+class PassHost(Protocol):
+    """What the pass reads from, and records in, the backend that installs it (:class:`kvpass.KVPassBackend`
+    is the one): named here, so that the compiler does not import the API above it."""
+
+    policy: Any  # the Policy: fetches, prefetches, fetches_on, prefetches_on
+    own_cache: bool
+    skinny_linear: bool
+    runtime: Any  # the Runtime: handle, info(site)
+    _key: str
+    _key_shards: dict  # module path -> KeyShard (lowering/shards.py)
+    _heads: dict[int, str]
+    _lock: Any  # held while a cache record is replayed (graph_cache.restore)
+
+    def _site_id(self, path: str, layer: int | None) -> int: ...
+
+    def _claim_sites(self, claims: dict[str, tuple[int | None, int]]) -> bool: ...
+
+    def _note_site(self, site: int, path: str, layer: int | None, pattern: str) -> Any: ...
+
+    def _record_graph(self, kind: str, rows: list[dict], unmatched: list, linears: int = 0) -> None: ...
 
 
 @dataclasses.dataclass
@@ -36,27 +61,6 @@ class GraphRecord:
     sites: list[dict]
     unmatched: list[Unmatched]
     linears: int = 0  # decode linears rewritten: weight-major, or a reduction for one row (lowering/linear.py)
-
-
-def _fake_value(target, args):
-    vals = fx.node.map_arg(args, _val)
-    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
-    mode = torch._guards.detect_fake_mode(flat)
-    if mode is None:
-        return None
-    with mode:
-        return target(*vals)
-
-
-def insert_node(graph: fx.Graph, before: fx.Node, target, args, meta_from: fx.Node) -> fx.Node:
-    """A ``call_function`` node before ``before``, with ``meta_from``'s source metadata and a fake value."""
-    with graph.inserting_before(before):
-        new = graph.call_function(target, args=args)
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-        if key in meta_from.meta:
-            new.meta[key] = meta_from.meta[key]
-    new.meta["val"] = _fake_value(target, args)
-    return new
 
 
 def _device(m: SiteMatch) -> torch.device:
@@ -79,7 +83,7 @@ def _cache_updates_without_sdpa(graph: fx.Graph) -> int:
 class KVPassGraphPass(CustomGraphPass):
     """Installed as Inductor's ``post_grad_custom_post_pass`` by :class:`kvpass.KVPassBackend`."""
 
-    def __init__(self, backend: KVPassBackend):
+    def __init__(self, backend: PassHost):
         self._backend = weakref.ref(backend)
         self._key = backend._key
         self._handle = backend.runtime.handle
@@ -108,8 +112,6 @@ class KVPassGraphPass(CustomGraphPass):
             self._insert_prefetches(graph, sites, rows)
         linears = 0
         if kind == "decode" and backend.skinny_linear:
-            from kvpass.lowering.linear import transpose_skinny_linears
-
             linears = transpose_skinny_linears(graph)
             counters["kvpass"]["linears_transposed"] += linears
         if not sites and not unmatched and _cache_updates_without_sdpa(graph):
@@ -125,7 +127,7 @@ class KVPassGraphPass(CustomGraphPass):
             )
         backend._record_graph(kind, rows, unmatched, linears)
 
-    def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: KVPassBackend) -> dict:
+    def _rewrite(self, graph: fx.Graph, m: SiteMatch, backend: PassHost) -> dict:
         site = backend._site_id(m.module_path, m.layer)
         backend._note_site(site, m.module_path, m.layer, m.pattern)
         self._note_heads(backend, site, m)
@@ -159,9 +161,8 @@ class KVPassGraphPass(CustomGraphPass):
         return row
 
     @staticmethod
-    def _note_heads(backend: KVPassBackend, site: int, m: SiteMatch) -> None:
+    def _note_heads(backend: PassHost, site: int, m: SiteMatch) -> None:
         """Under tensor parallelism, which of the model's KV heads this rank's site holds (report())."""
-        from kvpass.tp import heads_label
 
         k = _val(m.own["k_new"] if m.own is not None else m.k)
         if k is None or k.ndim != 4 or not all(isinstance(n, int) for n in (k.shape[1], k.shape[3])):
@@ -198,7 +199,7 @@ class KVPassGraphPass(CustomGraphPass):
         with graph.inserting_before(m.sdpa):
             c = graph.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
         c.meta.update({k: v for k, v in p.meta.items() if k != "val"})
-        c.meta["val"] = _fake_value(lambda t: aten.clone.default(t, memory_format=torch.contiguous_format),
+        c.meta["val"] = fake_value(lambda t: aten.clone.default(t, memory_format=torch.contiguous_format),
                                     (p,))
         return insert_node(graph, m.sdpa, aten.permute.default, (c, inverse), m.sdpa)
 
@@ -207,7 +208,6 @@ class KVPassGraphPass(CustomGraphPass):
         estimated from the previous site's residual stream (see :mod:`kvpass.lowering.estimate`),
         placed before the previous site's attention; the first site, and any whose query slice cannot
         be copied, prefetch with their true query."""
-        from kvpass.lowering.estimate import find_residuals, insert_estimate, layer_prefix, query_slice
 
         policy = self._backend().policy
         owned = []

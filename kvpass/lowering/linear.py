@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from kvpass.lowering.graph_pass import insert_node
+from kvpass.lowering.nodes import insert_node
 from kvpass.patterns.attention import _val
 
 aten = torch.ops.aten

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from kvpass.runtime import registry
+from kvpass.runtime.store import make_stub
 
 _LIB = torch.library.Library("kvpass", "DEF")  # the ops live as long as this module
 IMPLS: dict[str, Callable] = {}  # "kvpass::name" -> the Python function (what bench.syncs runs under its log)
@@ -154,7 +155,6 @@ def cache_stub(new: Tensor, past: Tensor | None, handle: int = 0, site: int = -1
     handle, site: the site whose stub this is; the site views every stub of one shape from one base,
     so that its next step knows its own stub by the storage alone (no read, no host sync). With the
     defaults the stub has a fresh base."""
-    from kvpass.runtime.store import make_stub
 
     length = new.shape[2] + (past.shape[2] if past is not None else 0)
     if handle:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from kvpass.runtime.state import SiteInfo, SiteState
+    from kvpass.runtime.call import SiteInfo
+    from kvpass.runtime.state import SiteState
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -50,32 +51,6 @@ def check_fields(cls: type[Policy], keys: Any) -> None:
     raise ValueError(
         f"kvpass: {cls.name} has no parameter(s) {unknown}; its parameters are {fields or 'none'}{hint}"
     )
-
-
-def policy_from_dict(spec: dict[str, Any] | str) -> Policy:
-    """Build a policy from ``{"name": "Quest", "budget": 512}`` or from a string spec, ``"Quest"`` or
-    ``"Quest(budget=512)"`` (read by :func:`kvpass.policies.parse.parse_policy`)."""
-    if isinstance(spec, str):
-        from kvpass.policies.parse import parse_policy
-
-        return parse_policy(spec)
-    if not isinstance(spec, dict):
-        raise TypeError(
-            f"kvpass: a policy spec is a dict such as {{'name': 'Quest', 'budget': 1024}} or a string such "
-            f"as 'Quest(budget=1024)', got {type(spec).__name__}: {spec!r}"
-        )
-    spec = dict(spec)
-    if "name" not in spec:
-        raise ValueError(
-            f"kvpass: a policy dict needs a 'name' key, one of {sorted(_REGISTRY)}, got {spec!r}; "
-            f"e.g. {{'name': 'Quest', 'budget': 1024}}"
-        )
-    name = spec.pop("name")
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise unknown_policy_error(name)
-    cls = _REGISTRY[name]
-    check_fields(cls, spec)
-    return cls(**spec)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.policies.base import Policy, check_int, register_policy
+from kvpass.runtime.centroidkv import CentroidState
 
 
 def _check_fraction(field: str, value, lo_open: bool, hi: float = 1.0) -> None:
@@ -102,6 +103,4 @@ class CentroidKV(Policy):
         return cls(budget=budget, cache_ratio=None, **kw)
 
     def new_state(self, info):
-        from kvpass.runtime.centroidkv import CentroidState
-
         return CentroidState(self, info)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.policies.base import Policy, bool_problem, check_int, register_policy
+from kvpass.runtime.clusterkv import ClusterState
 
 
 @register_policy
@@ -85,6 +86,4 @@ class ClusterKV(Policy):
         return cls(budget=budget, **kw)
 
     def new_state(self, info):
-        from kvpass.runtime.clusterkv import ClusterState
-
         return ClusterState(self, info)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.policies.base import Policy, register_policy
+from kvpass.runtime.state import SiteState
 
 
 @register_policy
@@ -21,6 +22,4 @@ class Full(Policy):
         return cls()
 
     def new_state(self, info):
-        from kvpass.runtime.state import SiteState
-
         return SiteState(self, info)

@@ -9,10 +9,9 @@ import dataclasses
 import re
 from typing import Any
 
-from kvpass.policies.base import (Policy, check_fields, policy_from_dict, registered_policies,
-                                  unknown_policy_error)
+from kvpass.policies.base import Policy, check_fields, registered_policies, unknown_policy_error
 
-__all__ = ["DEFAULT_POLICY", "parse_policy", "add_policy_arguments", "policy_from_args"]
+__all__ = ["DEFAULT_POLICY", "parse_policy", "policy_from_dict", "add_policy_arguments", "policy_from_args"]
 
 #: The compressed policy the demo uses unless told otherwise.
 DEFAULT_POLICY = "Quest(budget=1024, page_size=16)"
@@ -178,6 +177,30 @@ def parse_policy(text: str, budget: int | None = None) -> Policy:
         else:
             raise ValueError(f"kvpass: {cls.name} takes no budget; drop --budget")
     return policy_from_dict({"name": cls.name, **kwargs})
+
+
+def policy_from_dict(spec: dict[str, Any] | str) -> Policy:
+    """Build a policy from ``{"name": "Quest", "budget": 512}`` or from a string spec, ``"Quest"`` or
+    ``"Quest(budget=512)"`` (read by :func:`parse_policy`)."""
+    if isinstance(spec, str):
+        return parse_policy(spec)
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"kvpass: a policy spec is a dict such as {{'name': 'Quest', 'budget': 1024}} or a string such "
+            f"as 'Quest(budget=1024)', got {type(spec).__name__}: {spec!r}"
+        )
+    spec, registry = dict(spec), registered_policies()
+    if "name" not in spec:
+        raise ValueError(
+            f"kvpass: a policy dict needs a 'name' key, one of {sorted(registry)}, got {spec!r}; "
+            f"e.g. {{'name': 'Quest', 'budget': 1024}}"
+        )
+    name = spec.pop("name")
+    if not isinstance(name, str) or name not in registry:
+        raise unknown_policy_error(name)
+    cls = registry[name]
+    check_fields(cls, spec)
+    return cls(**spec)
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default: str | None) -> None:

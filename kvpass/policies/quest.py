@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.policies.base import Policy, check_int, register_policy
+from kvpass.runtime.selection import QuestState
 
 
 @register_policy
@@ -40,6 +41,4 @@ class Quest(Policy):
         return cls(budget=budget, page_size=page_size)
 
     def new_state(self, info):
-        from kvpass.runtime.selection import QuestState
-
         return QuestState(self, info)

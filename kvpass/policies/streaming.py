@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvpass.policies.base import Policy, check_int, register_policy
+from kvpass.runtime.selection import StreamingState
 
 
 @register_policy
@@ -48,6 +49,4 @@ class StreamingLLM(Policy):
         return cls(sinks=sinks, window=budget - sinks)
 
     def new_state(self, info):
-        from kvpass.runtime.selection import StreamingState
-
         return StreamingState(self, info)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpass.runtime.state import KVPassError
+from kvpass.runtime.errors import KVPassError
 from kvpass.runtime.store import CacheStub, _row_base, as_cache_stub
 
 ADOPTED = "adopted"  # the first field of an adopted stub's tag

@@ -14,12 +14,17 @@ heads always sum to it.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-from kvpass.runtime.state import KVPassError, SiteState, _make_call
-from kvpass.runtime.store import SAME, grow_seq, reorder_needed
+from kvpass.kernels import cpu_decode
+from kvpass.kernels.centroid import log_degree_bias, merge_round, num_candidates
+from kvpass.lowering.dispatch import centroid_attention, chunk_match, sparse_attention
+from kvpass.runtime.call import make_call
+from kvpass.runtime.state import SiteState
+from kvpass.runtime.store import grow_seq
 
 
 def _grow(buf: torch.Tensor | None, like: torch.Tensor, live: int, need: int, slack: int) -> torch.Tensor:
@@ -30,6 +35,13 @@ def _grow(buf: torch.Tensor | None, like: torch.Tensor, live: int, need: int, sl
 class CentroidState(SiteState):
     SLACK = 64
     rows_native = False  # a padded batch is served row by row (kvpass.runtime.rows)
+    owns_cache = True  # the merged slots (start / extend / decode)
+    model_cache_refusal = (
+        "kvpass: CentroidKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
+        "own_cache=True), the default): this site's cache is kept by the model (a StaticCache, or "
+        "own_cache=False), which would hold every token anyway; use generate() without "
+        "cache_implementation='static'"
+    )
 
     def reset(self) -> None:
         super().reset()
@@ -47,15 +59,6 @@ class CentroidState(SiteState):
         self.target: int | None = None  # slots per compressed head (set at the first decode step)
         self.rounds = 0
         self.merged = 0
-
-    # -- the refusal of caches it cannot shrink --------------------------------------------------
-    def forward(self, call, owned: bool = False, static: bool = False) -> torch.Tensor:
-        raise KVPassError(
-            "kvpass: CentroidKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
-            "own_cache=True), the default): this site's cache is kept by the model (a StaticCache, or "
-            "own_cache=False), which would hold every token anyway; use generate() without "
-            "cache_implementation='static'"
-        )
 
     # -- accounting ------------------------------------------------------------------------------
     def _account(self) -> None:
@@ -116,7 +119,7 @@ class CentroidState(SiteState):
             self.vo[:, :, self.logical : need] = v[:, self.outl]
         self.logical += t
 
-    def _reorder(self, rows: torch.Tensor) -> None:
+    def reorder_cache(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
         """Beam search reordered (or expanded) the batch between steps."""
         for name in ("k", "v", "deg", "ko", "vo"):
             t = getattr(self, name)
@@ -128,8 +131,6 @@ class CentroidState(SiteState):
     def _redundancy(self) -> torch.Tensor:
         """(H_kv,) how mergeable each head's prompt keys are: the mean cosine similarity of each A slot's
         best B match (chunked soft matching over the candidate range), averaged over the batch."""
-        from kvpass.lowering.dispatch import chunk_match
-
         p = self.policy
         lo, hi = p.sinks, self.s - p.recent
         if hi - lo < 2:
@@ -180,8 +181,6 @@ class CentroidState(SiteState):
     def _merge(self) -> None:
         """Merge rounds until ``s <= target`` (Algorithm 1), the ratio annealed per round."""
         self.events += 1
-        from kvpass.kernels.centroid import merge_round, num_candidates
-
         p = self.policy
         self.bias = None  # the degrees change here (a step merges rarely: recomputed at its attention)
         if self.comp is None or not len(self.comp) or p.merge_ratio == 0:
@@ -226,19 +225,13 @@ class CentroidState(SiteState):
     def _attend_decode(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H_q, 1, D) -> (B, H_q, 1, Dv): log-degree attention on compressed heads, plain on
         outlier heads."""
-        from kvpass.lowering.dispatch import centroid_attention
-
         b, h_q = q.shape[:2]
         h_kv = len(self.comp) + len(self.outl)
         g = h_q // h_kv
         dv = (self.v if self.v is not None else self.vo).shape[-1]
         if self.k is not None and self.bias is None:
-            from kvpass.kernels.centroid import log_degree_bias
-
             self.bias = log_degree_bias(self.deg)
         if self.all_comp:
-            from kvpass.kernels import cpu_decode
-
             # the buffers and their bias read in place, one C call (CPU, fp32); else the dispatched kernel
             out = cpu_decode.decode_step(q, self.k, self.v, self.s, None, scale, self.bias)
             if out is not None:
@@ -252,8 +245,6 @@ class CentroidState(SiteState):
             out[:, qh] = centroid_attention(q[:, qh, 0], self.k[:, :, : self.s], self.v[:, :, : self.s],
                                             self.deg[:, :, : self.s], scale, self.bias[:, :, : self.s])
         qh = self._heads(self.outl, g)
-        from kvpass.lowering.dispatch import sparse_attention
-
         n = self.logical  # outlier heads keep every token: plain dense attention
         out[:, qh] = sparse_attention(q[:, qh, 0], self.ko[:, :, :n], self.vo[:, :, :n], None, None, scale)
         return out.unsqueeze(2)
@@ -285,59 +276,35 @@ class CentroidState(SiteState):
             outs[:, qh] = F.scaled_dot_product_attention(q[:, qh], k, v, attn_mask=mask, scale=scale)
         return outs
 
-    # -- one step --------------------------------------------------------------------------------
-    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
-        import time
-
-        t0 = time.perf_counter()
-        t = k_new.shape[2]
-        past = 0 if past_k is None else past_k.shape[2]
-        rows = self.stubs.rows(past_k) if past else None
-        if past and rows is None:
-            # a real cache filled outside kvpass (eager prefill): adopt it as this sequence's prompt
-            self.reset()
-            k_all = torch.cat([past_k, k_new], 2)
-            self.check_keys(k_all, "of a cache filled outside kvpass (adopted at this decode step)")
-            self._load(k_all, torch.cat([past_v, v_new], 2))
-            fresh = True
-        elif not past:
-            self.reset()
-            self.check_keys(k_new, "at prefill")
-            self._load(k_new, v_new)
-            fresh = True
-        else:
-            if self.k is None and self.ko is None:
-                raise KVPassError("kvpass: the model's cache continues a sequence this backend never saw")
-            if past != self.logical:
-                raise KVPassError(
-                    f"kvpass: CentroidKV cannot roll back or fork a merged cache (the model's cache says {past} "
-                    f"tokens, the merged cache represents {self.logical}); assisted decoding and cache crops "
-                    f"need a policy that keeps every token"
-                )
-            size = (self.k if self.k is not None else self.ko).shape[0]
-            if rows is not SAME and reorder_needed(rows, size):
-                self._reorder(rows)
-            if t > 1:
-                self.check_keys(k_new, "in a multi-token step", first=past)
-            self._append(k_new, v_new)
-            fresh = False
-
-        scale = scale if scale > 0 else 1.0 / math.sqrt(q.shape[-1])
-        if fresh:
-            # measure how mergeable each head is, for the outlier-head choice at the first decode step
-            self.shared.setdefault("redundancy", {})[self.info.site] = self._redundancy()
-            self.shared.pop("outliers", None)
-        if fresh and (t > 1 or not past):
+    # -- one step (the driver's hooks) ---------------------------------------------------------------
+    def start(self, call, k_new, v_new, t0: float) -> torch.Tensor:
+        self._load(call.k, call.v)
+        # measure how mergeable each head is, for the outlier-head choice at the first decode step
+        self.shared.setdefault("redundancy", {})[self.info.site] = self._redundancy()
+        self.shared.pop("outliers", None)
+        if call.new_tokens > 1 or not call.past:
             # prefill: exact attention over the whole prompt, as the paper does
             self.overhead_prefill_s += time.perf_counter() - t0
             self.prefill_calls += 1
             self._account()
             n = self.logical
-            return _make_call(q, self.k[:, :, :n], self.v[:, :, :n], attn_mask, scale, is_causal, n).exact()
-        if t > 1:
-            self.prefill_calls += 1
-            self._account()
-            return self._attend_chunk(q, scale)
+            return make_call(call.q, self.k[:, :, :n], self.v[:, :, :n], call.attn_mask, call.scale,
+                             call.is_causal, n).exact()
+        # an adopted cache, this step's token loaded with it: the step decodes
+        self.overhead_prefill_s += time.perf_counter() - t0
+        return self.decode(call.q, None, None, call.attn_mask, call.scale, call.is_causal)
+
+    def extend(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+        self._append(k_new, v_new)
+        self.prefill_calls += 1
+        self._account()
+        return self._attend_chunk(q, scale)
+
+    def decode(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+        """(``k_new`` None: the token is in the cache already, loaded by :meth:`start`.)"""
+        t0 = time.perf_counter()
+        if k_new is not None:
+            self._append(k_new, v_new)
         if self.target is None:
             self._decide()  # the first decode step: merge the prompt down to the budget
             self._merge()
@@ -350,3 +317,13 @@ class CentroidState(SiteState):
         self.steps += 1
         self._account()
         return self._attend_decode(q, scale)
+
+    def held_rows(self) -> int:
+        return (self.k if self.k is not None else self.ko).shape[0]
+
+    def fork_refusal(self, past: int) -> str:
+        if self.k is None and self.ko is None:
+            return "kvpass: the model's cache continues a sequence this backend never saw"
+        return (f"kvpass: CentroidKV cannot roll back or fork a merged cache (the model's cache says {past} "
+                f"tokens, the merged cache represents {self.logical}); assisted decoding and cache crops "
+                f"need a policy that keeps every token")

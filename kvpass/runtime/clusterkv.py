@@ -29,8 +29,15 @@ import time
 
 import torch
 
-from kvpass.runtime.state import ADOPTED, AttentionCall, KVPassError, SiteState, _make_call
-from kvpass.runtime.store import grow_seq
+from kvpass.kernels.clusterkv import (
+    cluster_scores, cluster_select_cpu_available, cluster_select_torch, ClusterStep
+)
+from kvpass.kernels.sparse_attention import segments_decode_attention, sinks_picked_recent
+from kvpass.lowering.dispatch import cosine_kmeans, select_clusters, sparse_attention
+from kvpass.runtime.call import AttentionCall
+from kvpass.runtime.errors import ADOPTED_KEYS, KVPassError
+from kvpass.runtime.state import SiteState
+from kvpass.runtime.store import OwnedKV, grow_seq
 
 
 class DeviceTier:
@@ -160,9 +167,12 @@ class ClusterState(SiteState):
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
         if policy.offload and not self.dense:
-            from kvpass.runtime.store import OwnedKV
-
             self.store = OwnedKV(host=True)  # the host tier: the whole KV
+            self.model_cache_refusal = (
+                "kvpass: ClusterKV(offload=True) needs the runtime to own the cache (a DynamicCache with "
+                "kvpass(..., own_cache=True), the default); a StaticCache keeps every token on the device "
+                "anyway: use offload=False with it"
+            )
 
     def reset(self) -> None:
         super().reset()
@@ -201,21 +211,14 @@ class ClusterState(SiteState):
             call = dataclasses.replace(call, k=call.k_logical.to(dev), v=call.v_logical.to(dev))
         return super().attend_all(call)
 
-    def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
-        if self.offloading and not owned:
-            raise KVPassError(
-                "kvpass: ClusterKV(offload=True) needs the runtime to own the cache (a DynamicCache with "
-                "kvpass(..., own_cache=True), the default); a StaticCache keeps every token on the device "
-                "anyway: use offload=False with it"
-            )
-        if owned and self.offloading:
-            # the whole KV is in the host tier: only the device tier is counted as device bytes
-            out = super().forward(call, owned)
-            self.kv_bytes = 0
-            return out
-        return super().forward(call, owned, static)
-
     def reorder_rows(self, rows: torch.Tensor) -> None:
+        if self.offloading:
+            # this step's fetch planned and copied for the old row order, before the attention saw the
+            # reordered stub: the device tier cannot follow without a second fetch
+            raise KVPassError(
+                "kvpass: ClusterKV(offload=True) does not follow a batch reordered between steps (beam "
+                "search): use ClusterKV(offload=False), which follows it, or num_beams=1"
+            )
         super().reorder_rows(rows)
         for name in ("centroids", "sizes", "offsets", "order"):
             t = getattr(self, name)
@@ -225,8 +228,6 @@ class ClusterState(SiteState):
     # -- clustering ------------------------------------------------------------------------------
     def _cluster(self, keys: torch.Tensor, start: int, clusters: int) -> None:
         """Cluster ``keys (B, H_kv, n, D)`` (positions ``start ..``) and append the clusters."""
-        from kvpass.lowering.dispatch import cosine_kmeans
-
         p = self.policy
         self.check_keys(keys, "when clustering", first=start)  # decoded keys meet their first batched read here
         self.events += 1
@@ -265,8 +266,6 @@ class ClusterState(SiteState):
         """The start of a left-padded sequence served in place: each row's own keys after its sinks are
         clustered as the prompt alone would cluster them (the same count and seed), and the rows' clusters
         are stacked, padded with size-0 clusters and -1 order slots."""
-        from kvpass.lowering.dispatch import cosine_kmeans
-
         p, length = self.policy, call.length
         end = length if call.new_tokens > 1 else length - 1
         kms = []
@@ -333,8 +332,6 @@ class ClusterState(SiteState):
     def cluster_scores(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, C) fp32: q·μ of each cluster for the decode query ``q (B, H_q, 1, D)``, the
         query group combined by ``policy.gqa``."""
-        from kvpass.kernels.clusterkv import cluster_scores
-
         return cluster_scores(q[:, :, 0], self.centroids, self.policy.gqa)
 
     def _budgets(self, length: int) -> tuple[int, int, int] | None:
@@ -355,8 +352,6 @@ class ClusterState(SiteState):
         budgets = self._budgets(length)
         if budgets is None:
             return None
-        from kvpass.lowering.dispatch import select_clusters
-
         n_sinks, cluster_budget, n_recent = budgets
         picked = None
         if self.centroids is not None and cluster_budget > 0:
@@ -364,8 +359,6 @@ class ClusterState(SiteState):
         return n_sinks, picked, n_recent
 
     def _select_in_c(self, q: torch.Tensor) -> bool:
-        from kvpass.kernels.clusterkv import cluster_select_cpu_available
-
         return (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and q.stride(-1) == 1
                 and cluster_select_cpu_available())
 
@@ -375,8 +368,6 @@ class ClusterState(SiteState):
         budgets = self._budgets(call.length)
         if budgets is None:
             return None
-        from kvpass.kernels.clusterkv import ClusterStep, cluster_select_torch
-
         n_sinks, cluster_budget, n_recent = budgets
         p = self.policy
         meta = (self.centroids, self.sizes, self.offsets, self.order)
@@ -404,16 +395,12 @@ class ClusterState(SiteState):
                 idx, self.select_out = done
                 return idx
             return step.select(call.q, *rest[1:7])
-        from kvpass.lowering.dispatch import select_clusters
-
         return cluster_select_torch(call.q[:, :, 0], *meta, *rest, select=select_clusters)
 
     def _offload_idx(self, call: AttentionCall) -> torch.Tensor | None:
         """The positions the offloading step attends (the plan its fetch made), for reports and probes."""
         if self.plan is None:
             return None
-        from kvpass.kernels.sparse_attention import sinks_picked_recent
-
         n_sinks, picked, n_recent = self.plan
         dev = picked.device if picked is not None else call.k.device
         return sinks_picked_recent(*call.k.shape[:2], n_sinks, picked, n_recent, call.length, dev)
@@ -436,52 +423,42 @@ class ClusterState(SiteState):
             self.bytes_moved += self.tier.fetch(host_k, host_v, self.plan[1], length)
         return ticket
 
-    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
-        if not self.offloading:
-            return super().forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
-        rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)  # the host tier
-        if self.store.reordered is not None:
-            # this step's fetch planned and copied for the old row order, before the attention saw the
-            # reordered stub: the device tier cannot follow without a second fetch
-            raise KVPassError(
-                "kvpass: ClusterKV(offload=True) does not follow a batch reordered between steps (beam "
-                "search): use ClusterKV(offload=False), which follows it, or num_beams=1"
-            )
-        hk, hv = self.store.views()
-        length, t, dev = hk.shape[2], k_new.shape[2], q.device
-        new_k, new_v = k_new, v_new
+    def to_device(self, call: AttentionCall, rebuilt: bool, k_new: torch.Tensor,
+                  v_new: torch.Tensor) -> AttentionCall:
+        q, hk, hv, length, t = call.q, call.k, call.v, call.length, k_new.shape[2]
+        dev = q.device
         if rebuilt and t == 1:
             # a decode step on a cache filled elsewhere (adopted): build the metadata and the device
             # tier from the host tier, then plan and fetch as the fetch op would have, and attend as any
             # decode step does
             t0 = time.perf_counter()
             self.reset()
-            self.check_keys(hk[:, :, : length - t], ADOPTED)
+            self.check_keys(hk[:, :, : length - t], ADOPTED_KEYS)
             self.keys_seen = length - t
-            self.observe(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, 0))
+            self.observe(call)
             self._new_tier(hk, hv, length, dev)
             self.plan = self._plan(q, length)
             if self.plan is not None and self.plan[1] is not None:
                 self.bytes_moved += self.tier.fetch(hk, hv, self.plan[1], length)
             self.overhead_prefill_s += time.perf_counter() - t0
-            return self.forward(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, length - t), owned=True)
+            return dataclasses.replace(call, start=length - t)
         if rebuilt or t > 1:
             # prefill attends exactly over every token (the host views; no copy on CPU); observe
-            # clusters the prompt (a new sequence resets the state), and the tokens left unclustered
-            # become the device's recent tokens
-            call = _make_call(q, hk.to(dev), hv.to(dev), attn_mask, scale, is_causal, length,
-                              0 if rebuilt else length - t)
+            # clusters the prompt (a new sequence resets the state), and settle() makes the tokens left
+            # unclustered the device's recent tokens
             self.plan = None
-            out = self.forward(call, owned=True)
-            if rebuilt:
-                self._new_tier(hk, hv, length, dev)
-            else:
-                self.tier.sync_recent(self.tail, length, new_k, new_v)
-            return out
+            return dataclasses.replace(call, k=hk.to(dev), v=hv.to(dev))
         # a decode step: fetch has planned and filled the device tier; the host views give shapes only
         self.tier.wait()  # sync_recent may move tokens the fetch's clustering read
-        self.tier.sync_recent(self.tail, length, new_k, new_v)
-        return self.forward(_make_call(q, hk, hv, attn_mask, scale, is_causal, length, length - t), owned=True)
+        self.tier.sync_recent(self.tail, length, k_new, v_new)
+        return call
+
+    def settle(self, rebuilt: bool, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        if rebuilt:
+            hk, hv = self.store.views()
+            self._new_tier(hk, hv, hk.shape[2], k_new.device)
+        else:
+            self.tier.sync_recent(self.tail, self.store.length, k_new, v_new)
 
     def _new_tier(self, hk: torch.Tensor, hv: torch.Tensor, length: int, dev: torch.device) -> None:
         """A new sequence: the sinks go to the device tier once, and the tokens not clustered (from the
@@ -505,15 +482,11 @@ class ClusterState(SiteState):
                 return super().attend_selected(call, idx)
             # the sinks and the recent tokens are two ranges of the cache, attended in place; only the
             # recalled clusters' tokens are gathered
-            from kvpass.kernels.sparse_attention import segments_decode_attention
-
             n_sinks, cluster_budget, n_recent = self._plan_of_step
             picked = idx[..., n_sinks : n_sinks + cluster_budget] if cluster_budget else None
             ranges = [r for r in ((0, n_sinks), (call.length - n_recent, call.length)) if r[1] > r[0]]
             return segments_decode_attention(q[:, :, 0], call.k_logical, call.v_logical, ranges, call.scale,
                                              picked, self.workspace).unsqueeze(2)
-        from kvpass.lowering.dispatch import sparse_attention
-
         n_sinks, picked, n_recent = self.plan
         tier = self.tier
         tier.wait()

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kvpass.runtime.adopt import ADOPTED
-from kvpass.runtime.state import KVPassError
+from kvpass.runtime.errors import KVPassError
 from kvpass.runtime.store import CacheStub, as_cache_stub, plain
 
 if TYPE_CHECKING:
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime.runtime import Runtime
 
 
 class CallCount:

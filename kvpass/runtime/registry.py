@@ -18,7 +18,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpass.runtime.state import Runtime
+    from kvpass.runtime.runtime import Runtime
 
 _lock = threading.Lock()
 _ordinals: dict[str, int] = {}  # key -> next ordinal (never reused in this process)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpass.runtime.state import AttentionCall, KVPassError, _make_call, check_rows_kept, valid_from_mask
+from kvpass.runtime.call import AttentionCall, make_call, valid_from_mask
+from kvpass.runtime.errors import KVPassError, check_rows_kept
 from kvpass.runtime.store import SAME
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class RowSplit:
         q, past = call.q, call.past
 
         def step(b, sub, f, s):
-            row = _make_call(q[b : b + 1, :, s:], call.k[b : b + 1, :, f:], call.v[b : b + 1, :, f:],
+            row = make_call(q[b : b + 1, :, s:], call.k[b : b + 1, :, f:], call.v[b : b + 1, :, f:],
                              _row_mask(call.attn_mask, b, s, f), call.scale, call.is_causal, call.length - f,
                              0 if self.fresh and past else -1)
             return sub.forward(row, static=static)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from kvpass.runtime.state import AttentionCall, SiteState
+from kvpass.kernels.quest import (
+    BOUNDS_DTYPE, quest_bounds, quest_fold_key_, quest_page_minmax_ref, quest_select_torch,
+    quest_top_pages_cpu_available, quest_top_pages_torch, quest_update_minmax_, QuestStep
+)
+from kvpass.kernels.sparse_attention import paged_decode_attention_ref, segments_decode_attention
+from kvpass.lowering.dispatch import quest_scores
+from kvpass.runtime.call import AttentionCall
+from kvpass.runtime.rows import first_positions
+from kvpass.runtime.state import SiteState
 
 
 class StreamingState(SiteState):
@@ -49,8 +57,6 @@ class StreamingState(SiteState):
         if not (q.device.type == "cpu" and q.dtype == call.k.dtype == torch.float32 and call.valid is None):
             return super().attend_selected(call, idx)
         # no padding, no C kernel: the selection is two ranges of the cache, attended in place
-        from kvpass.kernels.sparse_attention import segments_decode_attention
-
         sinks, length = self.policy.sinks, call.length
         ranges = [(0, sinks)] if sinks else []
         ranges.append((length - self.policy.window, length))
@@ -95,8 +101,6 @@ class QuestState(SiteState):
             return
         b, h, _, d = call.k.shape
         cap = max(pages, 2 * (self.meta.shape[2] if self.meta is not None else 0), 64)
-        from kvpass.kernels.quest import BOUNDS_DTYPE
-
         meta = call.k.new_empty((b, h, cap, 2 * d), dtype=BOUNDS_DTYPE)
         _unopened(meta)
         if self.meta is not None:
@@ -116,8 +120,6 @@ class QuestState(SiteState):
     def _fold(self, call: AttentionCall, start: int) -> None:
         """The keys of positions ``[start, call.length)`` into their pages (all of them where ``start`` is 0),
         at an event: a prefill, a chunk, an adopted cache, the step where the context outgrows the budget."""
-        from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
-
         self.lag = None
         ps, d = self.policy.page_size, call.k.shape[3]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
@@ -134,9 +136,6 @@ class QuestState(SiteState):
 
     def _observe_rows(self, call: AttentionCall, start: int) -> None:
         """:meth:`_fold` for a left-padded batch: each row's tokens go to its own pages."""
-        from kvpass.kernels.quest import quest_bounds, quest_page_minmax_ref, quest_update_minmax_
-        from kvpass.runtime.rows import first_positions
-
         ps, d, batch = self.policy.page_size, call.k.shape[3], call.k.shape[0]
         kmax, kmin = self.meta[..., :d], self.meta[..., d:]
         # an event (prefill, chunk, adopted cache, the step that outgrows the budget): the mask is read, rows
@@ -166,24 +165,18 @@ class QuestState(SiteState):
         """(B, H_kv, pages) upper bounds of the query group's q·k per page, on CUDA (the Triton scorer;
         the CPU paths score and choose in one call: :func:`kvpass.kernels.quest.quest_select_cpu`, or
         :func:`~kvpass.kernels.quest.quest_top_pages_torch` where C is not built)."""
-        from kvpass.lowering.dispatch import quest_scores
-
         b, h_kv, _, d = call.k.shape
         per_q = quest_scores(call.q[:, :, 0], self.meta[..., d:], self.meta[..., :d], pages)
         per_q = per_q[..., :pages].reshape(b, h_kv, call.group, pages)
         return per_q.sum(2) if self.policy.gqa == "sum" else per_q.amax(2)
 
     def _top_in_c(self, q: torch.Tensor) -> bool:
-        from kvpass.kernels.quest import quest_top_pages_cpu_available
-
         return (type(q) is torch.Tensor and q.is_cpu and q.dtype == torch.float32 and q.stride(-1) == 1
                 and quest_top_pages_cpu_available())
 
     def _fold_key(self, call: AttentionCall) -> None:
         """A steady step's metadata update in torch: the new key (position L - 1) joins its row's page
         (the same ops every step; no host read)."""
-        from kvpass.kernels.quest import quest_fold_key_
-
         quest_fold_key_(self.meta, call.k[:, :, call.length - 1], self.pad.first if self.pad.padded else None,
                         call.length, self.policy.page_size)
 
@@ -210,8 +203,6 @@ class QuestState(SiteState):
         if padded or in_c:
             # the key's merge, scoring, the top pages (ascending, then the newest) and their token positions
             # in one C call
-            from kvpass.kernels.quest import QuestStep, quest_select_torch
-
             first = self.pad.first if padded else None
             if in_c:  # the (B, H_q, 1, D) query as it came, the key read in the cache: no views per step
                 step = self._step
@@ -231,8 +222,6 @@ class QuestState(SiteState):
             return idx
         q = call.q[:, :, 0]
         if not q.is_cuda:
-            from kvpass.kernels.quest import quest_top_pages_torch
-
             self.pages = quest_top_pages_torch(q, self.meta, pages - 1, n_pages, self.policy.gqa)
         else:
             scores = self.page_scores(call, pages - 1)  # the newest page is always taken
@@ -257,8 +246,6 @@ class QuestState(SiteState):
         )
         if not paged:
             return super().attend_selected(call, idx)
-        from kvpass.kernels.sparse_attention import paged_decode_attention_ref
-
         out = paged_decode_attention_ref(
             call.q[:, :, 0], store.k, store.v, self.pages, self.policy.page_size, call.length, call.scale,
             self.workspace, self.choose_dense(self.pages.shape[2] * self.policy.page_size, call.length),

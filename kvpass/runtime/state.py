@@ -1,4 +1,6 @@
-"""Per-site runtime state and the generic attention driver.
+"""The driver of one attention site: :class:`SiteState` runs every step the same way (padding, NaN checks,
+the owned store, stubs, events, accounting) and calls the method's hooks, which a policy's state
+overrides (see "The runtime" in docs/architecture.md).
 
 Shapes: ``q (B, H_q, T, D)``; ``k, v (B, H_kv, S, D)`` as the model's cache holds them (before any
 repeat_kv); ``T`` new tokens; ``L`` the logical sequence length (``S`` can be larger for a static
@@ -7,292 +9,49 @@ cache, and a compressing state may hold fewer physical tokens than ``L``).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.nn.functional as F
+from torch.utils._mode_utils import no_dispatch
 
-from kvpass.runtime import registry
+import kvpass.runtime.rows as rows
+from kvpass.kernels import cpu_decode
+from kvpass.kernels.sparse_attention import use_dense
+from kvpass.lowering.dispatch import sparse_attention
+from kvpass.runtime.call import AttentionCall, SiteInfo, make_call, profile_range
+from kvpass.runtime.errors import ADOPTED_KEYS, KVPassError, check_rows_kept, non_finite_keys_message
+from kvpass.runtime.padding import Padding
+from kvpass.runtime.store import SAME, OwnedKV, StubRows, reorder_needed
+from kvpass.runtime.workspace import Workspace
 
 if TYPE_CHECKING:
     from kvpass.policies.base import Policy
-
-# how check_keys names the keys of a cache that a decode step adopts
-ADOPTED = "of a cache filled outside kvpass (adopted at this decode step)"
-
-
-def _range(name: str):
-    """A profiler range (``kvpass bench --decode-cost`` sorts a step's time by them); nothing at all
-    unless a profiler runs (a range is an op call: 180 of them a step at 30 sites)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-class Workspace:
-    """Scratch tensors a decode step reuses instead of allocating (the gathered keys and values of a
-    selection): on CPU a fresh tensor of a few MB pays its page faults at every step, which at batch 8
-    cost more than the gather itself (docs/design.md, "Decode attention on CPU"). One workspace serves
-    every site of a Runtime, which run one after another; what it holds is a step's scratch, never
-    state: nothing a step returns aliases it."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = math.prod(shape)
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(n, dtype=dtype, device=device)
-            self._bufs[name] = buf
-        return buf[:n].view(shape)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
-
-
-class KVPassError(RuntimeError):
-    """A request kvpass cannot serve correctly; the message names the fix."""
-
-
-@dataclasses.dataclass
-class SiteInfo:
-    """What the graph pass learned about one attention site."""
-
-    site: int
-    layer: int
-    module_path: str = "?"
-    pattern: str = "?"
-    graphs: int = 0
-    estimate: str = "-"  # where a prefetching policy's query estimate comes from (the pass decides)
-    fetch_in_attention: bool = False  # a fetching policy's graph has no kvpass::fetch here (the pass decides)
-
-
-@dataclasses.dataclass
-class AttentionCall:
-    """One call of ``kvpass::attention`` as the runtime sees it."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    attn_mask: torch.Tensor | None
-    scale: float
-    is_causal: bool
-    length: int  # logical length L, new tokens included
-    valid: torch.Tensor | None = None  # (B, L) bool, False on padding; None: nothing masked (set by the state)
-    start: int = -1  # first position not yet folded into the site's metadata (0: rebuild); -1: past
-
-    def __post_init__(self):
-        if self.start < 0:
-            self.start = self.past
-
-    @property
-    def new_tokens(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def past(self) -> int:
-        return self.length - self.new_tokens
-
-    @property
-    def k_logical(self) -> torch.Tensor:
-        return self.k[:, :, : self.length]
-
-    @property
-    def v_logical(self) -> torch.Tensor:
-        return self.v[:, :, : self.length]
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.k.shape[1]
-
-    def exact(self) -> torch.Tensor:
-        """Exactly the attention the model asked for (same inputs, same mask)."""
-        if self.q.shape[2] == 1 and self.group > 1 and not self.is_causal and _mask_folds(self.attn_mask):
-            return _grouped_decode(self.q, self.k, self.v, self.attn_mask, self.scale)
-        return F.scaled_dot_product_attention(
-            self.q,
-            self.k,
-            self.v,
-            attn_mask=self.attn_mask,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.group != 1,
-        )
-
-    def padding_bias(self) -> torch.Tensor | None:
-        """(B, H_kv, L) fp32: 0 on real tokens, -inf on padding; None without padding."""
-        if self.valid is None:
-            return None
-        bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.valid.device)
-        bias.masked_fill_(~self.valid, -math.inf)
-        return bias[:, None, :].expand(-1, self.k.shape[1], -1)
-
-
-def _mask_folds(attn_mask: torch.Tensor | None) -> bool:
-    """Whether an SDPA mask is shared by the query heads and the one query (see :func:`_grouped_decode`)."""
-    return attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1)
-
-
-def _grouped_decode(q, k, v, attn_mask, scale) -> torch.Tensor:
-    """One decode query per head, ``q (B, H_q, 1, D)``, over ``k, v (B, H_kv, S, D)``: the query heads of a
-    KV head become that head's rows, ``(B, H_kv, G, D)``, so SDPA reads each KV head once for its whole
-    group. The same attention as ``enable_gqa``, each row computed alone (no causal mask with one query),
-    and faster on CPU (docs/design.md, "Decode attention on CPU"). fp32 on CPU: the C kernel of
-    :mod:`kvpass.kernels.cpu_decode`, the mask (padding) as its bias."""
-    from kvpass.kernels import cpu_decode
-
-    b, h_q, _, d = q.shape
-    h_kv = k.shape[1]
-    if q.is_cpu and (attn_mask is None or attn_mask.shape[-1] == k.shape[2]):
-        bias = None
-        if attn_mask is not None:
-            row = attn_mask[:, 0, 0]  # (B or 1, S): shared by the heads and the one query
-            bias = (torch.zeros(row.shape, dtype=torch.float32, device=row.device).masked_fill_(~row, -math.inf)
-                    if row.dtype == torch.bool else row.float())
-            bias = bias[:, None, :].expand(b, h_kv, -1)
-        out = cpu_decode.decode_step(q, k, v, k.shape[2], None, scale, bias)
-        if out is not None:
-            return out
-    qg = q.reshape(b, h_kv, h_q // h_kv, d)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=scale)
-    return out.view(b, h_q, 1, v.shape[3])
-
-
-def mask_row(attn_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """(B', L) bool: the keys the newest query may see, from an SDPA mask broadcastable to
-    (B, H, T, S) (B' is 1 for a mask shared by the batch). No host sync."""
-    row = attn_mask[..., -1, :length]
-    while row.dim() > 2:
-        row = row[:, 0]  # masks are shared across heads
-    if row.dim() == 1:
-        row = row[None]
-    if row.dtype == torch.bool:
-        return row
-    return row > torch.finfo(row.dtype).min / 2
-
-
-def valid_from_mask(attn_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """:func:`mask_row`, or None when every key is visible (no padding). One host sync: called where a
-    sequence starts or grows by several tokens, never in a steady decode step (:class:`Padding`)."""
-    if attn_mask is None:
-        return None
-    valid = mask_row(attn_mask, length)
-    if bool(valid.all()):
-        return None
-    return valid
-
-
-class Padding:
-    """Whether a site's sequence is a left-padded batch, decided where the sequence starts or grows by
-    several tokens (prefill, chunked prefill, an adopted cache), where a host sync is paid anyway.
-
-    A decode step appends one real token per row (``generate()`` extends the attention mask with ones,
-    also for rows that finished), so its padding is the prefill's: a steady step reads the mask only
-    when the batch is padded, and never syncs. ``first (B,)`` is each row's first real position and
-    ``first_min`` / ``first_max`` their extremes as Python ints (0 without padding)."""
-
-    def __init__(self) -> None:
-        self.padded: bool | None = None  # None: no sequence seen yet
-        self.first: torch.Tensor | None = None
-        self.first_min = self.first_max = 0
-
-    def valid(self, attn_mask: torch.Tensor | None, length: int, event: bool) -> torch.Tensor | None:
-        """(B, L) bool validity (None: no padding). ``event``: a prefill, a multi-token step or an
-        adoption, where the mask is read in full."""
-        if attn_mask is None:
-            if event:
-                self._set(None)
-            return None
-        if event or self.padded is None:
-            valid = valid_from_mask(attn_mask, length)
-            self._set(valid)
-            return valid
-        return mask_row(attn_mask, length) if self.padded else None
-
-    def _set(self, valid: torch.Tensor | None) -> None:
-        self.padded = valid is not None
-        if valid is None:
-            self.first, self.first_min, self.first_max = None, 0, 0
-        else:
-            self.first = valid.to(torch.int8).argmax(dim=1)  # first real token of each row
-            self.first_min, self.first_max = int(self.first.min()), int(self.first.max())
-
-
-def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor, when: str, first: int = 0,
-                            unit: str | None = "position") -> str | None:
-    """None when ``keys (B, H_kv, n, D)`` are all finite; otherwise the KVPassError message: the site,
-    what was found (NaN or Inf) and where, and the fix. ``first`` is the position of ``keys[:, :, 0]``."""
-    if keys.numel() == 0 or bool(torch.isfinite(keys).all()):
-        return None
-    nan = keys.isnan()
-    found = "NaN" if bool(nan.any()) else "Inf"
-    bad = (nan if found == "NaN" else keys.isinf()).any(-1).nonzero()[0].tolist()  # (b, h, i): the first
-    path = info.module_path if info.module_path != "?" else f"site {info.site}"
-    at = f" (batch row {bad[0]}, KV head {bad[1]}, {unit} {first + bad[2]})" if unit else ""
-    return (
-        f"kvpass: {policy_name} found {found} in the keys of layer {info.layer} ({path}) {when}{at}; it "
-        "cannot select or compress non-finite keys. The model's activations overflowed or its inputs are "
-        "bad: run the model in fp32 or bf16 rather than fp16 and check the inputs, or use Full(), which "
-        "attends exactly like eager (NaN in, NaN out)"
-    )
-
-
-def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
-    """A cache the model keeps (``own_cache=False``, StaticCache) can change between steps without the
-    runtime seeing it: the caller reorders its rows (beam search), or another sequence of the same
-    length stepped on this backend in between (two ``generate`` calls in turn), and the policy's
-    metadata would then score other rows', or another sequence's, keys. The last step's newest key must
-    still be in each row: checked on the device (``_assert_async``, no host sync on CUDA; on CPU a
-    failed check raises at once). Equal keys there are the same sequence (a deeper layer's key depends
-    on the whole prefix), or one whose metadata is the same."""
-    k = call.k
-    prev = st.tail_key
-    # only a step that continues the last one (the same decode step run again, as opcheck does, is not)
-    if (prev is not None and prev.shape[0] == k.shape[0] and call.past == st.length
-            and 0 < call.past <= k.shape[2]):
-        what = REORDERED if k.shape[0] > 1 else INTERLEAVED
-        try:
-            torch._assert_async((k[:, :, call.past - 1] == prev).all(), what)
-        except RuntimeError as e:
-            raise KVPassError(f"{what} ({st.policy.name}, layer {st.info.layer})") from e
-    st.tail_key = k[:, :, call.length - 1].clone()  # (B, H_kv, D): a few hundred numbers per site
-
-
-REORDERED = (
-    "kvpass: the rows of a cache the model keeps were reordered between steps (beam search), or another "
-    "batch stepped on this backend in between, and this policy's per-row metadata cannot follow a cache it "
-    "does not own. Fix: use own_cache=True (the default, with a DynamicCache) or num_beams=1"
-)
-
-INTERLEAVED = (
-    "kvpass: the cache the model keeps (own_cache=False, a StaticCache) does not continue the sequence "
-    "this site served at its last step: another sequence stepped on this backend in between (two "
-    "generate() calls in turn, two threads), and this policy's metadata belongs to that one. Fix: finish "
-    "one sequence before starting the next, use one backend per sequence, or own_cache=True (the default, "
-    "with a DynamicCache), which tells the sequences apart"
-)
-
-
-def _make_call(q, k, v, attn_mask, scale, is_causal, length, start=-1) -> AttentionCall:
-    if scale <= 0:
-        scale = 1.0 / math.sqrt(q.shape[-1])  # the op's encoding of "SDPA's default scale"
-    return AttentionCall(
-        q=q, k=k, v=v, attn_mask=attn_mask, scale=scale, is_causal=is_causal, length=length, start=start,
-    )
+    from kvpass.runtime.runtime import Runtime
 
 
 class SiteState:
-    """State of one attention site. The base class is the Full policy: exact attention, no metadata.
+    """State of one attention site, and the driver of its steps. The base class is the Full policy:
+    exact attention, no metadata.
 
-    Subclasses override :meth:`observe` (fold the new tokens into metadata) and :meth:`select` (the
-    token indices to attend at a decode step, ``(B, H_kv, N)`` with -1 padding, or None for all).
+    The driver (``run``, ``run_owned``, ``forward``, ``forward_owned``, ``run_fetch``, ``run_prefetch``)
+    is the same for every method: sequence starts and resets, padding, NaN checks, the owned store and
+    its stubs, reorders, events and accounting. Methods do not override it (tests/test_contract.py
+    checks); they implement hooks, each called once where a step needs it:
+
+    - a method that selects from the cache (Quest, StreamingLLM, ClusterKV): :meth:`observe` (fold the
+      new tokens into metadata), :meth:`select` (the positions a decode step attends, ``(B, H_kv, N)``
+      with -1 padding, or None for all), and how it attends them (:meth:`attend_selected`,
+      :meth:`attend_all`); with a host tier (``store.host``: ClusterKV's offload) also
+      :meth:`to_device` and :meth:`settle`, around the step;
+    - a method with a physical cache of its own (``owns_cache``: CentroidKV's merged slots, TailorKV's
+      tiers): :meth:`start`, :meth:`extend`, :meth:`decode`, :meth:`reorder_cache`, :meth:`held_rows`
+      and :meth:`fork_refusal`; the driver decides which one a step calls;
+    - optional: :meth:`fetch` / :meth:`prefetch` (a host tier), :meth:`reorder_rows`,
+      :meth:`serves_padded`, and the report's :meth:`metadata_bytes`, :meth:`host_bytes`,
+      :meth:`selection_bytes`.
 
     A state whose metadata cannot hold left padding per row sets ``rows_native = False``: the runtime
     then serves a padded batch with one state per row (:mod:`kvpass.runtime.rows`)."""
@@ -301,10 +60,14 @@ class SiteState:
     # keeps metadata per batch row (Quest's pages): a reorder of a cache the model keeps must be caught
     per_row_metadata = False
     checks_kept = True  # check_rows_kept on a model-kept cache; False for a row state (its split checks the batch)
+    # keeps a physical cache of its own (forward_owned calls start / extend / decode, not the owned store);
+    # such a state keeps ``logical``, the length of the sequence it holds, which the model's cache must match
+    owns_cache = False
+    # why a cache the model keeps (StaticCache, own_cache=False) cannot be served: the KVPassError text
+    # (None: served)
+    model_cache_refusal: str | None = None
 
     def __init__(self, policy: Policy, info: SiteInfo, shared: dict | None = None):
-        from kvpass.runtime.store import OwnedKV, StubRows
-
         self.policy = policy
         self.info = info
         self.store = OwnedKV()  # used when the pass gave this site's cache to the runtime
@@ -337,16 +100,12 @@ class SiteState:
         self.batch = q.shape[0]
         if self.rows_native:
             return self.forward_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
-        from kvpass.runtime import rows
-
         return rows.run_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
 
     def run(self, call: AttentionCall, static: bool) -> torch.Tensor:
         self.batch = call.q.shape[0]
         if self.rows_native:
             return self.forward(call, static=static)
-        from kvpass.runtime import rows
-
         return rows.run(self, call, static)
 
     def run_fetch(self, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
@@ -434,8 +193,6 @@ class SiteState:
         the sequence's row as it ended (marked ``released``; :meth:`report_row`)."""
         row = None
         if keep_row and (self.length or self.prefill_calls or self.decode_calls):
-            from torch.utils._mode_utils import no_dispatch
-
             # A garbage collection runs this wherever it happens, also while dynamo traces another model
             # under a fake-tensor mode: the row's few reductions run on the real tensors, outside any mode.
             try:
@@ -455,16 +212,53 @@ class SiteState:
 
     def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
         """A step of a site whose cache the runtime owns (see :meth:`Runtime.attend_owned`): append to
-        :attr:`store`, then :meth:`forward`. Policies that keep a different physical cache override it."""
-        with _range("kvpass.bookkeeping"):
+        :attr:`store`, then :meth:`forward`; a method with a cache of its own (``owns_cache``) gets the
+        step in its hooks instead (:meth:`start`, :meth:`extend`, :meth:`decode`)."""
+        if self.owns_cache:
+            t = k_new.shape[2]
+            past = 0 if past_k is None else past_k.shape[2]
+            if scale <= 0:
+                scale = 1.0 / math.sqrt(q.shape[-1])
+            rows = self.stubs.rows(past_k) if past else None
+            if not past or rows is None:
+                # a new sequence: a prefill, or a cache filled outside kvpass (adopted at this step)
+                t0 = time.perf_counter()
+                self.reset()
+                k_all = k_new if not past else torch.cat([past_k, k_new], 2)
+                v_all = v_new if not past else torch.cat([past_v, v_new], 2)
+                self.check_keys(k_all, "at prefill" if not past else ADOPTED_KEYS)
+                call = make_call(q, k_all, v_all, attn_mask, scale, is_causal, past + t)
+                return self.start(call, k_new, v_new, t0)
+            if past != self.logical:
+                raise KVPassError(self.fork_refusal(past))
+            if rows is not SAME and reorder_needed(rows, self.held_rows()):
+                self.reorder_cache(rows, q, past + t)
+            if t > 1:
+                self.check_keys(k_new, "in a multi-token step", first=past)
+                return self.extend(q, k_new, v_new, attn_mask, scale, is_causal)
+            return self.decode(q, k_new, v_new, attn_mask, scale, is_causal)
+        with profile_range("kvpass.bookkeeping"):
             rebuilt = self.store.append(past_k, past_v, k_new, v_new, self.stubs)
             self._follow_reorder()
         k, v = self.store.views()
         length = k.shape[2]
         start = 0 if rebuilt else length - k_new.shape[2]
-        return self.forward(_make_call(q, k, v, attn_mask, scale, is_causal, length, start), owned=True)
+        call = make_call(q, k, v, attn_mask, scale, is_causal, length, start)
+        if not self.store.host:
+            return self.forward(call, owned=True)
+        # a host tier (ClusterKV's offload): the method brings what the step attends to the device
+        call = self.to_device(call, rebuilt, k_new, v_new)
+        out = self.forward(call, owned=True)
+        if call.new_tokens > 1:
+            self.settle(rebuilt, k_new, v_new)
+        return out
 
     def forward(self, call: AttentionCall, owned: bool = False, static: bool = False) -> torch.Tensor:
+        """A step over ``call``'s keys (the model's cache, or with ``owned`` the runtime's store): exact
+        attention for a prefill or chunk, :meth:`observe` and :meth:`select` and the attention of the
+        selection for a decode step."""
+        if not owned and self.model_cache_refusal is not None:
+            raise KVPassError(self.model_cache_refusal)
         if not owned and self.length and (call.past > self.length or call.past < self.length - call.new_tokens):
             # the model's cache grew by steps this site never saw (they ran eagerly, outside the graph),
             # or is shorter than what it saw (a crop; another sequence continuing a copy of a shared
@@ -488,7 +282,8 @@ class SiteState:
         self.length = call.length
         if owned:
             self.physical = self.store.length
-            self.kv_bytes = self.store.nbytes()
+            # a host tier's bytes are not the device's (host_bytes counts them)
+            self.kv_bytes = 0 if self.store.host else self.store.nbytes()
         else:
             k = call.k
             self.physical = k.shape[2]
@@ -499,7 +294,7 @@ class SiteState:
             # host sync per layer per step.
             lo = min(self.keys_seen, call.past)
             when = ("at prefill" if call.past == 0 else "in a multi-token step" if call.new_tokens > 1
-                    else ADOPTED)
+                    else ADOPTED_KEYS)
             self.check_keys(call.k[:, :, lo : call.length], when, first=lo)
         self.keys_seen = call.length
         t0 = time.perf_counter()
@@ -513,7 +308,7 @@ class SiteState:
             return call.exact()
         self.decode_calls += 1
         self.steps += 1
-        with _range("kvpass.select"):
+        with profile_range("kvpass.select"):
             self.observe(call)
             self.select_out = None
             idx = self.select(call)
@@ -525,7 +320,7 @@ class SiteState:
         self.last_idx = idx
         if self.probe is not None:
             self.probe(self, call, idx)
-        with _range("kvpass.attend"):
+        with profile_range("kvpass.attend"):
             if idx is None:
                 self.attended = call.length
                 return self.attend_all(call)
@@ -539,8 +334,6 @@ class SiteState:
 
     def attend_selected(self, call: AttentionCall, idx: torch.Tensor) -> torch.Tensor:
         """(B, H_q, 1, D) attention over the selected positions ``idx`` (B, H_kv, N)."""
-        from kvpass.lowering.dispatch import sparse_attention
-
         out = sparse_attention(
             call.q[:, :, 0], call.k_logical, call.v_logical, idx, call.padding_bias(), call.scale, self.workspace,
             self.choose_dense(idx.shape[2], call.length),
@@ -552,8 +345,6 @@ class SiteState:
         (:mod:`kvpass.kernels.cpu_decode`), or None where it cannot serve the step (padding that ``idx``
         may list, another device or dtype, the kernel not built): the caller then takes its torch path.
         ``lists_padding=False``: the selection never lists a padding position, so padding needs no mask."""
-        from kvpass.kernels import cpu_decode
-
         if lists_padding and call.valid is not None:
             return None
         return cpu_decode.decode_step(call.q, call.k, call.v, call.length, idx, call.scale)
@@ -563,8 +354,6 @@ class SiteState:
         cache rather than a gather (:func:`kvpass.kernels.sparse_attention.use_dense`). The choice flips
         once as a sequence grows past three times its selection: that step runs other ops, so it counts
         as a scheduled event."""
-        from kvpass.kernels.sparse_attention import use_dense
-
         dense = use_dense(n, length)
         if self.dense_path is not None and dense != self.dense_path:
             self.events += 1
@@ -619,7 +408,50 @@ class SiteState:
         """Fold the tokens at positions ``[call.start, call.length)`` into the metadata."""
 
     def select(self, call: AttentionCall) -> torch.Tensor | None:
+        """The positions a decode step attends, ``(B, H_kv, N)`` int64 with -1 padding, or None for all.
+        A method whose kernel attends in the same call sets :attr:`select_out` to that attention."""
         return None
+
+    # a host tier (store.host): the whole KV on the host, what a step attends brought to the device
+    def to_device(self, call: AttentionCall, rebuilt: bool, k_new: torch.Tensor,
+                  v_new: torch.Tensor) -> AttentionCall:
+        """Before :meth:`forward` of a step on a host-tier store (``call`` over the host views; ``rebuilt``:
+        a new sequence, ``k_new, v_new (B, H_kv, T, D)`` this step's tokens): fill the device tier and
+        return the call the step runs."""
+        raise NotImplementedError(f"{type(self).__name__} keeps a host tier and implements no to_device")
+
+    def settle(self, rebuilt: bool, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """After a multi-token step on a host-tier store: the device tier takes what :meth:`observe` left."""
+
+    # a cache of the method's own (owns_cache): the driver calls one of these per step
+    def start(self, call: AttentionCall, k_new: torch.Tensor, v_new: torch.Tensor, t0: float) -> torch.Tensor:
+        """A new sequence (the state was reset and its keys checked): ``call`` holds every token, a
+        prefill's or an adopted cache's, with this step's ``k_new, v_new (B, H_kv, T, D)`` last. Build the
+        cache and return the step's attention ``(B, H_q, T, D)``; ``t0``: when the step began (overhead)."""
+        raise NotImplementedError(f"{type(self).__name__} owns its cache and implements no start")
+
+    def extend(self, q, k_new, v_new, attn_mask, scale: float, is_causal: bool) -> torch.Tensor:
+        """Several new tokens ``k_new, v_new (B, H_kv, T, D)`` on the sequence held (a second chat turn,
+        chunked prefill; their keys were checked): attend and append them."""
+        raise NotImplementedError(f"{type(self).__name__} owns its cache and implements no extend")
+
+    def decode(self, q, k_new, v_new, attn_mask, scale: float, is_causal: bool) -> torch.Tensor:
+        """A decode step ``q (B, H_q, 1, D)`` on the sequence held: append the token and attend."""
+        raise NotImplementedError(f"{type(self).__name__} owns its cache and implements no decode")
+
+    def held_rows(self) -> int:
+        """Batch rows of the cache held (a reorder is applied when the stub's rows differ)."""
+        raise NotImplementedError(f"{type(self).__name__} owns its cache and implements no held_rows")
+
+    def reorder_cache(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
+        """Beam search reordered or expanded the batch (``rows (B',)``) before a step ending at ``length``."""
+        raise NotImplementedError(f"{type(self).__name__} owns its cache and implements no reorder_cache")
+
+    def fork_refusal(self, past: int) -> str:
+        """The KVPassError text for a model cache of ``past`` tokens that is not the sequence held (a crop,
+        assisted decoding, a fork): a cache of its own cannot be rolled back."""
+        return (f"kvpass: {self.policy.name} cannot roll back or fork its cache (the model's cache says {past} "
+                f"tokens, this site holds {self.logical})")
 
     def metadata_bytes(self) -> int:
         return 0
@@ -687,171 +519,6 @@ class SiteState:
         }
 
 
-class Runtime:
-    """All site states of one backend. Compiled graphs reach it through ``handle``."""
-
-    def __init__(self, policy: Policy, key: str | None = None):
-        self.policy = policy
-        self.sites: dict[int, SiteState] = {}
-        self.infos: dict[int, SiteInfo] = {}
-        self.probe = None
-        self.shared: dict = {}
-        self._lock = threading.Lock()
-        # the storage of every stub base a site has handed out -> the site (graph outputs that are
-        # stubs are tagged with their site's sequence by the backend)
-        self.stub_sites: dict[int, int] = {}
-        from kvpass.runtime.adopt import Adoption
-
-        self.adoption = Adoption()  # layers handed over by backend.adopt(), waiting for their first step
-        # stubs dropped while the lock was held (a garbage collection inside a step): released at the
-        # next stub() or report
-        self._dead: list[tuple[SiteState, int]] = []
-        # key: what the graphs depend on (the backend passes policy and options); see registry
-        self.handle = registry.register(self, policy.key() if key is None else key)
-
-    def info(self, site: int, layer: int | None = None) -> SiteInfo:
-        if site not in self.infos:
-            self.infos[site] = SiteInfo(site=site, layer=site if layer is None else layer)
-        return self.infos[site]
-
-    def state(self, site: int) -> SiteState:
-        st = self.sites.get(site)
-        if st is None:
-            st = self.sites[site] = self.policy.new_state(self.info(site))
-            st.probe = self.probe
-            st.shared = self.shared
-            st.owner = weakref.ref(self)
-        return st
-
-    def stub_died(self, st: SiteState, epoch: int) -> None:
-        """The last stub of ``st``'s sequence ``epoch`` was garbage-collected (the weak references'
-        callback, in whatever thread dropped it; see :meth:`SiteState.hold`)."""
-        if not self._lock.acquire(blocking=False):  # this thread (or another) is inside a step
-            self._dead.append((st, epoch))
-            return
-        try:
-            self._reap(st, epoch)
-            self._drain()
-        finally:
-            self._lock.release()
-
-    def _reap(self, st: SiteState, epoch: int) -> None:
-        if self.sites.get(st.info.site) is not st or st.epoch != epoch or st._live:
-            return  # a sequence this site no longer holds (a new one started, set_policy), or held again
-        st.release()
-        if not any(s.length or s._live for s in self.sites.values()):
-            self.shared.clear()  # scratch and per-sequence decisions of every site (the workspace)
-
-    def _drain(self) -> None:
-        """Release what :meth:`stub_died` could not while the lock was held; the caller holds it."""
-        while self._dead:
-            self._reap(*self._dead.pop())
-
-    def collect(self) -> None:
-        """Apply releases deferred by a garbage collection that ran inside a step."""
-        if self._dead:
-            with self._lock:
-                self._drain()
-
-    def held_bytes(self) -> int:
-        """Bytes of every tensor this runtime's state references now (keys and values of both tiers,
-        metadata, scratch, stub bases), each storage counted once: what the backend holds in memory."""
-        self.collect()
-        with self._lock:
-            return tensor_bytes(self.sites, self.shared, self.adoption)
-
-    def set_probe(self, probe) -> None:
-        """``probe(state, call, idx)`` runs at every decode step before attention (None: off)."""
-        with self._lock:
-            self.probe = probe
-            for st in self.sites.values():
-                st.probe = probe
-
-    def attend(
-        self,
-        site: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        cache_position: torch.Tensor | None,
-        scale: float,
-        is_causal: bool,
-    ) -> torch.Tensor:
-        length = k.shape[2]
-        if cache_position is not None:
-            # A static cache is a preallocated buffer: the logical end is the last written slot.
-            length = min(length, int(cache_position[-1].item()) + 1)
-        call = _make_call(q, k, v, attn_mask, scale, is_causal, length)
-        with self._lock:
-            return self.state(site).run(call, static=cache_position is not None)
-
-    def attend_owned(
-        self,
-        site: int,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        past_k: torch.Tensor | None,
-        past_v: torch.Tensor | None,
-        attn_mask: torch.Tensor | None,
-        scale: float,
-        is_causal: bool,
-        fetched: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Like :meth:`attend`, for a site whose keys and values the runtime holds (the model's
-        cache holds a stub): append ``k_new, v_new`` (B, H_kv, T, D) and attend."""
-        with self._lock:
-            if self.adoption.held and past_k is not None:  # the first step after backend.adopt()
-                past_k, past_v = self.adoption.take(past_k, past_v)
-            return self.state(site).run_owned(q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal)
-
-    def stub(self, site: int, new: torch.Tensor, length: int, past: torch.Tensor | None) -> torch.Tensor:
-        """The ``kvpass::cache_stub`` op: the site's stub of ``length`` tokens shaped like ``new``."""
-        with self._lock:
-            if self._dead:
-                self._drain()
-            stubs = self.state(site).stubs
-            stub = stubs.make(new, length, past)
-            if stubs.new_bases:  # bases are made once per shape: a steady step registers nothing
-                for base in stubs.new_bases:
-                    self.stub_sites[base.untyped_storage().data_ptr()] = site
-                stubs.new_bases.clear()
-        if past is None or new.shape[2] > 1:
-            # The next step decodes from this stub: its length is dynamic from that first decode on, so
-            # dynamo compiles one decode graph for every length instead of one for the prompt's length
-            # and another when it grows. Steady decode steps skip this (their graph is symbolic already).
-            torch._dynamo.maybe_mark_dynamic(stub, 2)
-        return stub
-
-    def fetch(self, site: int, q: torch.Tensor, past_k: torch.Tensor | None) -> torch.Tensor:
-        """The ``kvpass::fetch`` op: the site moves what this step needs into its device tier."""
-        with self._lock:
-            return self.state(site).run_fetch(q, past_k)
-
-    def prefetch(self, site: int, q_hat: torch.Tensor, past_k: torch.Tensor | None, estimated: bool) -> torch.Tensor:
-        """The ``kvpass::prefetch`` op: the site prepares its next fetch from an estimated query."""
-        with self._lock:
-            return self.state(site).run_prefetch(q_hat, past_k, estimated)
-
-    def reset(self) -> None:
-        """Forget every site's sequence and free what it held (``backend.clear_state()``)."""
-        with self._lock:
-            self._dead.clear()
-            self.adoption.clear()
-            self.shared.clear()
-            for st in self.sites.values():
-                st.release(keep_row=False)
-
-    def set_policy(self, policy: Policy) -> None:
-        """Every site starts afresh under ``policy`` (the graphs are unchanged)."""
-        with self._lock:
-            self.policy = policy
-            self.adoption.clear()
-            self.sites.clear()
-            self.shared.clear()
-
-
 def _reaper(owner: Callable[[], Runtime | None], state: Callable[[], SiteState | None], epoch: int):
     """The weak-reference callback of a site's stubs of sequence ``epoch``: holds the runtime and the
     state weakly, so that a stub outliving its backend keeps nothing alive."""
@@ -866,31 +533,3 @@ def _reaper(owner: Callable[[], Runtime | None], state: Callable[[], SiteState |
             rt.stub_died(st, epoch)
 
     return died
-
-
-def tensor_bytes(*roots: Any) -> int:
-    """Bytes of the distinct storages of every tensor reachable from ``roots`` through containers and
-    kvpass's own objects (their attributes); policies, site infos and callables are not entered."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    stack = list(roots)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
-            storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif type(obj).__module__.startswith("kvpass.") and not isinstance(obj, SiteInfo) \
-                and not hasattr(obj, "new_state"):  # a policy: configuration only
-            attrs = getattr(obj, "__dict__", None)
-            if attrs is not None:
-                stack.extend(v for k, v in attrs.items() if k not in ("owner", "policy", "info", "probe"))
-            for name in getattr(type(obj), "__slots__", ()):
-                stack.append(getattr(obj, name, None))
-    return sum(storages.values())

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvpass.runtime.state import KVPassError
+from kvpass.runtime.errors import KVPassError
 
 
 _HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 Linux

@@ -21,7 +21,7 @@ between tiers as a GPU would (docs/design.md, "TailorKV on CPU").
 
 The graph pass orders the ops of one decode step as ``prefetch(q̂_l)`` (during layer l-1) ->
 ``fetch(q_l)`` -> ``attention_owned`` of layer l. Only the attention reads the stub, so a batch that
-beam search reordered or expanded is followed there (``_reorder``), and the step's selection, made for
+beam search reordered or expanded is followed there (``reorder_cache``), and the step's selection, made for
 the old rows, is made again.
 """
 
@@ -33,8 +33,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvpass.runtime.state import KVPassError, SiteState, _make_call, _range
-from kvpass.runtime.store import SAME, grow_seq, host_empty, reorder_needed
+from kvpass.kernels import cpu_decode
+from kvpass.kernels import tailorkv as kernels  # cpu_select_available read at each call (tests switch it off)
+from kvpass.kernels.sparse_attention import sinks_picked_recent
+from kvpass.kernels.tailorkv import CpuStep, QuantizedKV, critical_channels, dequantize
+from kvpass.lowering.dispatch import partial_topk, quant_attention, quantize, sparse_attention
+from kvpass.runtime.call import make_call, profile_range
+from kvpass.runtime.errors import KVPassError
+from kvpass.runtime.state import SiteState
+from kvpass.runtime.store import OwnedKV, grow_seq, host_empty
 
 QUANTISED, SPARSE = "quantised", "sparse"
 
@@ -49,7 +56,7 @@ def value_group(head_dim: int, group_size: int, bits: int) -> int:
             return g
     raise KVPassError(
         f"kvpass: TailorKV cannot quantise head_dim={head_dim} at {bits} bit(s): it needs a multiple of "
-        f"{per} (8 // quant_bits); use quant_bits=2 or another policy for this model"
+        f"{per} (8 // quant_bits); use {'quant_bits=2 or ' if bits == 1 else ''}another policy for this model"
     )
 
 
@@ -72,6 +79,29 @@ def batch_rows(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | Non
         out = torch.empty((idx.shape[0], *t.shape[1:]), dtype=t.dtype, pin_memory=True)
         return torch.index_select(t, 0, idx, out=out)
     return t.index_select(0, idx)
+
+
+def dense_preference(q: torch.Tensor, k: torch.Tensor, n_q: int, topk: float, scale: float) -> float:
+    """TailorKV's dense-preference score of one layer at prefill, normalised per query.
+
+    q: (B, H_q, T, D) the prompt's queries (the last T of the L positions); k: (B, H_kv, L, D).
+    The last ``min(n_q, T)`` queries attend causally to the keys; ``k_top = ceil(topk * L)``.
+    Returns the mean over batch rows, heads and queries of ``1 - Σ top-k attention weights``: the
+    paper's ``P = n_q - Σ_{(i,j) ∈ top-k} Â_ij`` divided by n_q (and averaged over heads), so that
+    one ``tau`` serves any n_q.
+    """
+    b, h_q, t, d = q.shape
+    h_kv, length = k.shape[1], k.shape[2]
+    n = min(n_q, t)
+    g = h_q // h_kv
+    qs = q[:, :, t - n :].float().reshape(b, h_kv, g, n, d)
+    scores = torch.matmul(qs, k.float()[:, :, None].transpose(-1, -2)) * scale  # (B, H_kv, G, n, L)
+    pos = torch.arange(length - n, length, device=q.device)[:, None]
+    scores.masked_fill_(torch.arange(length, device=q.device)[None, :] > pos, -math.inf)
+    attn = torch.softmax(scores, dim=-1)
+    k_top = max(1, math.ceil(topk * length))
+    top = attn.topk(min(k_top, length), dim=-1).values.sum(-1)
+    return float((1.0 - top).mean())
 
 
 class PackedCache:
@@ -110,8 +140,6 @@ class PackedCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, chunk: int) -> None:
         """Quantise ``k, v (B, H, n, D)``, n a multiple of the group, after the tokens held."""
-        from kvpass.lowering.dispatch import quantize
-
         n = k.shape[2]
         if n == 0:
             return
@@ -141,8 +169,6 @@ class PackedCache:
 
     def views(self):
         """(kq, vq) :class:`QuantizedKV` views of the ``n`` tokens held (no copy)."""
-        from kvpass.kernels.tailorkv import QuantizedKV
-
         per, n = 8 // self.bits, self.n
         kq = QuantizedKV(self.kp[:, :, : n // per], self.ks[:, :, : n // self.group], self.kz[:, :, : n // self.group],
                          self.bits, self.group, "channel", (self.b, self.h, n, self.d), self.dtype)
@@ -155,11 +181,15 @@ class TailorState(SiteState):
     # a padded batch is served in place by a sparse layer on the CPU path (serves_padded), else row by row
     # (kvpass.runtime.rows)
     rows_native = False
+    owns_cache = True  # a packed cache or a host tier per layer (start / extend / decode)
+    model_cache_refusal = (
+        "kvpass: TailorKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
+        "own_cache=True), the default): its layers hold a packed cache or a host tier, which a "
+        "StaticCache's device buffers cannot; drop cache_implementation='static'"
+    )
 
     def __init__(self, policy, info, shared=None):
         super().__init__(policy, info, shared)
-        from kvpass.runtime.store import OwnedKV
-
         self.store = OwnedKV(host=True)  # the host tier of a sparse layer (unused by a quantised one)
         self.cos_sum = None  # sum over steps of the estimate's cosine similarity to the true query
         self.cos_c = torch.zeros(1, dtype=torch.float64)  # the same sum, added by the C selection (in_c)
@@ -208,8 +238,6 @@ class TailorState(SiteState):
         else:
             if self.first is not None:  # serves_padded refuses "auto"
                 raise KVPassError("kvpass: TailorKV(profile='auto') cannot serve a padded batch in place")
-            from kvpass.tailorkv import dense_preference
-
             scores = self.shared.setdefault("tailorkv.scores", {})
             if layer not in scores:
                 scores[layer] = dense_preference(q, k, p.calib_queries, p.calib_topk, scale)
@@ -230,11 +258,8 @@ class TailorState(SiteState):
     @staticmethod
     def _c_path(like: torch.Tensor) -> bool:
         """Whether a sparse layer of keys like ``like`` runs on the CPU path (``in_c``)."""
-        from kvpass.kernels import cpu_decode
-        from kvpass.kernels.tailorkv import cpu_select_available
-
         return (like.device.type == "cpu" and like.dtype == torch.float32 and cpu_decode.available()
-                and cpu_select_available())
+                and kernels.cpu_select_available())
 
     def serves_padded(self, first: list[int], length: int, new_tokens: int, like: torch.Tensor) -> bool:
         """In place for a sparse layer on the CPU path whose every row has more candidates than the top-k
@@ -326,10 +351,10 @@ class TailorState(SiteState):
         t0 = time.perf_counter()
         # on the CPU path the fetch's C call picks the channels from the estimate (no copy to overlap)
         if not self.in_c and q_hat.shape[0] == self.kabs.shape[0]:
-            with _range("kvpass.select"):
+            with profile_range("kvpass.select"):
                 self._prefetch(q_hat[:, :, 0], past + 1)
         # else the batch size changed since the last step (beam search expanded it): the attention, which
-        # sees the new rows, reorders this state and prefetches for them (see _reorder)
+        # sees the new rows, reorders this state and prefetches for them (see reorder_cache)
         if estimated:  # Inductor may reuse the input buffer after the op: a copy
             self.q_hat = q_hat.clone(memory_format=torch.contiguous_format)
         self.overhead_decode_s += time.perf_counter() - t0
@@ -344,8 +369,6 @@ class TailorState(SiteState):
         return n_s, length - n_r, n_r
 
     def _prefetch(self, q_hat: torch.Tensor, length: int) -> None:
-        from kvpass.kernels.tailorkv import critical_channels
-
         p = self.policy
         n_s, mid_end, _ = self._ranges(length)
         if mid_end - n_s <= p.topk:
@@ -388,7 +411,7 @@ class TailorState(SiteState):
             return
         t0 = time.perf_counter()
         if self._in_c(q) and q.shape[0] == self.kabs.shape[0]:
-            with _range("kvpass.select"):
+            with profile_range("kvpass.select"):
                 self._fetch_in_c(q, past + 1, cosine=True, defer=attend)
             self.overhead_decode_s += time.perf_counter() - t0
             return
@@ -396,7 +419,7 @@ class TailorState(SiteState):
             self._estimate_cosine(q[:, :, 0])
         self._wait(q.device)
         if q.shape[0] == self.kabs.shape[0]:
-            with _range("kvpass.select"):
+            with profile_range("kvpass.select"):
                 self._fetch(q[:, :, 0], past + 1)  # else the batch size changed: see prefetch
         self.overhead_decode_s += time.perf_counter() - t0
 
@@ -414,8 +437,6 @@ class TailorState(SiteState):
             self.event = None
 
     def _fetch(self, q: torch.Tensor, length: int) -> None:
-        from kvpass.lowering.dispatch import partial_topk
-
         p = self.policy
         n_s, mid_end, n_r = self._ranges(length)
         n_mid = mid_end - n_s
@@ -472,8 +493,6 @@ class TailorState(SiteState):
 
     def _cpu_step(self):
         """The C step over this layer's current buffers (a new one where a buffer was replaced)."""
-        from kvpass.kernels.tailorkv import CpuStep
-
         st, c = self.store, self.cpu_step
         if c is None or not c.holds(st.k, st.v, self.kT, self.kabs, self.first):
             c = self.cpu_step = CpuStep(st.k, st.v, self.kT, self.kabs, self.first)
@@ -492,68 +511,47 @@ class TailorState(SiteState):
         self.first_sum = 0 if first is None else int(self.first.sum())
 
     # -- attention -------------------------------------------------------------------------------
-    def forward(self, call, owned: bool = False, static: bool = False) -> torch.Tensor:
-        raise KVPassError(
-            "kvpass: TailorKV needs the runtime to own the cache (a DynamicCache with kvpass(..., "
-            "own_cache=True), the default): its layers hold a packed cache or a host tier, which a "
-            "StaticCache's device buffers cannot; drop cache_implementation='static'"
-        )
-
-    def forward_owned(self, q, k_new, v_new, past_k, past_v, attn_mask, scale, is_causal) -> torch.Tensor:
-        t = k_new.shape[2]
-        past = 0 if past_k is None else past_k.shape[2]
-        length = past + t
-        scale = scale if scale > 0 else 1.0 / math.sqrt(q.shape[-1])
-        rows = self.stubs.rows(past_k) if past else None
-        dev = q.device
-        if not past or rows is None:
-            # a new sequence: a prefill, or a cache filled outside kvpass (adopted at this step)
-            t0 = time.perf_counter()
-            self.reset()
-            # padding is served here only where serves_padded said so (in_place); row states see none
-            self.pad.valid(attn_mask if self.in_place else None, length, True)
-            self._set_first(self.pad.first if self.pad.padded else None, q.shape[0])
-            k_all = k_new if not past else torch.cat([past_k, k_new], 2)
-            v_all = v_new if not past else torch.cat([past_v, v_new], 2)
-            self.check_keys(k_all, "at prefill" if not past else
-                            "of a cache filled outside kvpass (adopted at this decode step)")
-            self._decide(q, k_all, scale)
-            # the prefill attends the keys where the query is (a sparse layer's store is on the host)
-            call = _make_call(q, k_all, v_all, attn_mask, scale, is_causal, length)
-            if self.tier == SPARSE:
-                self.store.append(None, None, k_all, v_all)
-                k_all, v_all = self.store.views()
-            if t > 1:
-                out = call.exact()  # prefill attends exactly
-                self._load(k_all, v_all, dev)
-                self.overhead_prefill_s += time.perf_counter() - t0
-                self.prefill_calls += 1
-                self.attended = length
-                self._account()
-                return out
-            # an adopted decode step: load everything before this token, then decode as usual
-            self._load(k_all[:, :, :past], v_all[:, :, :past], dev)
-            if self.tier == SPARSE:
-                self.store.length = past  # the decode path appends this step's token itself
-                self._fetch(q[:, :, 0], length)  # no fetch op ran for this step: fetch here
-            self.overhead_prefill_s += time.perf_counter() - t0
-            return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
-        if past != self.logical:
-            raise KVPassError(
-                f"kvpass: TailorKV cannot roll back or fork its cache (the model's cache says {past} tokens, "
-                f"this site holds {self.logical}); assisted decoding and cache crops need a policy that keeps "
-                f"every token in full precision"
-            )
-        b = self.store.k.shape[0] if self.tier == SPARSE else self.packed.b
-        if rows is not SAME and reorder_needed(rows, b):
-            self._reorder(rows, q, length)
+    def start(self, call, k_new, v_new, t0: float) -> torch.Tensor:
+        q, k_all, v_all, length, t = call.q, call.k, call.v, call.length, call.new_tokens
+        past, dev = call.past, q.device
+        # padding is served here only where serves_padded said so (in_place); row states see none
+        self.pad.valid(call.attn_mask if self.in_place else None, length, True)
+        self._set_first(self.pad.first if self.pad.padded else None, q.shape[0])
+        self._decide(q, k_all, call.scale)
+        # the prefill attends the keys where the query is (a sparse layer's store is on the host)
+        if self.tier == SPARSE:
+            self.store.append(None, None, k_all, v_all)
+            k_all, v_all = self.store.views()
         if t > 1:
-            return self._chunk(q, k_new, v_new, attn_mask, scale, is_causal)
+            out = call.exact()  # prefill attends exactly
+            self._load(k_all, v_all, dev)
+            self.overhead_prefill_s += time.perf_counter() - t0
+            self.prefill_calls += 1
+            self.attended = length
+            self._account()
+            return out
+        # an adopted decode step: load everything before this token, then decode as usual
+        self._load(k_all[:, :, :past], v_all[:, :, :past], dev)
+        if self.tier == SPARSE:
+            self.store.length = past  # the decode path appends this step's token itself
+            self._fetch(q[:, :, 0], length)  # no fetch op ran for this step: fetch here
+        self.overhead_prefill_s += time.perf_counter() - t0
+        return self._decode(q, k_new, v_new, call.attn_mask, call.scale, call.is_causal)
+
+    def decode(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
         if self.info.fetch_in_attention and self.plan is None:
-            self._fetch_step(q, past, attend=True)  # this graph has no kvpass::fetch (CPU): the fetch runs here
+            self._fetch_step(q, self.logical, attend=True)  # this graph has no kvpass::fetch (CPU): the fetch runs here
         return self._decode(q, k_new, v_new, attn_mask, scale, is_causal)
 
-    def _reorder(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
+    def held_rows(self) -> int:
+        return self.store.k.shape[0] if self.tier == SPARSE else self.packed.b
+
+    def fork_refusal(self, past: int) -> str:
+        return (f"kvpass: TailorKV cannot roll back or fork its cache (the model's cache says {past} tokens, "
+                f"this site holds {self.logical}); assisted decoding and cache crops need a policy that keeps "
+                f"every token in full precision")
+
+    def reorder_cache(self, rows: torch.Tensor, q: torch.Tensor, length: int) -> None:
         """Beam search reordered (or expanded) the batch between steps: row i of every per-row tensor
         becomes row ``rows[i]`` (the host tier's on the host). The prefetch and fetch of this step ran
         before the attention saw the new order, for the old rows: their selection is made again (the
@@ -620,12 +618,12 @@ class TailorState(SiteState):
                 raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
                                   "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
             hk, hv = self.store.views()
-            call = _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1)
+            call = make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1)
             idx = self._selection(call)
             self.last_idx = idx
             if self.probe is not None:
                 self.probe(self, call, idx)
-            with _range("kvpass.attend"):
+            with profile_range("kvpass.attend"):
                 out = self._attend_sparse(q, scale)
             self.attended = -1
         self._account()
@@ -635,18 +633,16 @@ class TailorState(SiteState):
         """A sparse layer's step on CPU: the listed rows of the host tier, read in place. A selection the
         fetch left to it (``pending``) runs here, with the append and the attention in the same C call
         where that call serves the operands (in that order, as in three calls)."""
-        from kvpass.kernels import cpu_decode
-
         pend, self.pending = self.pending, None
         if self.plan is None or (self.listed is None and pend is None):
             raise KVPassError("kvpass: TailorKV decoded a sparse layer without its kvpass::fetch (the graph "
                               "was not rewritten for TailorKV: compile with a kvpass(TailorKV(...)) backend)")
         st = self.store
         if pend is not None:
-            with _range("kvpass.bookkeeping"):
+            with profile_range("kvpass.bookkeeping"):
                 end = self._host_room(k_new, v_new)
             t0 = time.perf_counter()
-            with _range("kvpass.select"):  # the attention too, in the same call
+            with profile_range("kvpass.select"):  # the attention too, in the same call
                 sq, n_s, mid_end, topk, n_r, q_c, c, cos = pend
                 step = self._cpu_step()
                 done = None if sq is not q else step.select_append_attend(
@@ -660,19 +656,19 @@ class TailorState(SiteState):
                 self.plan, self.last_idx, self.attended = None, idx, -1
                 if self.probe is not None:
                     hk, hv = st.views()
-                    self.probe(self, _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical,
+                    self.probe(self, make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical,
                                                 self.logical - 1), idx)
                 return out
-        with _range("kvpass.bookkeeping"):
+        with profile_range("kvpass.bookkeeping"):
             self._host_append(k_new, v_new, kabs=True)
         idx, self.plan = self.listed, None
         self.last_idx = idx
         if self.probe is not None:
             hk, hv = self.store.views()
-            self.probe(self, _make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1), idx)
+            self.probe(self, make_call(q, hk, hv, attn_mask, scale, is_causal, self.logical, self.logical - 1), idx)
         self.attended = -1
         st = self.store
-        with _range("kvpass.attend"):
+        with profile_range("kvpass.attend"):
             out = cpu_decode.decode_step(q, st.k, st.v, st.k.shape[2], idx, scale)
             if out is None:  # in_c was decided at the prefill: the queries are fp32 CPU, as the keys are
                 raise KVPassError("kvpass: TailorKV's CPU path met operands its decode attention does not serve "
@@ -708,14 +704,10 @@ class TailorState(SiteState):
 
     def _selection(self, call) -> torch.Tensor:
         """(B, H_kv, N) positions attended at this step (for reports and the recall probe)."""
-        from kvpass.kernels.sparse_attention import sinks_picked_recent
-
         n_s, picked, n_r = self.plan
         return sinks_picked_recent(*call.k.shape[:2], n_s, picked, n_r, call.length, call.k.device)
 
     def _attend_sparse(self, q, scale) -> torch.Tensor:
-        from kvpass.lowering.dispatch import sparse_attention
-
         ks, vs = [self.sink_k], [self.sink_v]
         if self.plan[1] is not None:
             ks.append(self.sel_k)
@@ -726,14 +718,12 @@ class TailorState(SiteState):
         return sparse_attention(q[:, :, 0], k, v, None, None, scale).unsqueeze(2)
 
     def _decode_quantised(self, q, k_new, v_new, scale) -> torch.Tensor:
-        from kvpass.lowering.dispatch import quant_attention
-
         r = self.policy.residual
         self.res_k[:, :, self.n_res : self.n_res + 1] = k_new
         self.res_v[:, :, self.n_res : self.n_res + 1] = v_new
         self.n_res += 1
         kq, vq = self.packed.views()
-        with _range("kvpass.attend"):
+        with profile_range("kvpass.attend"):
             out = quant_attention(q[:, :, 0], kq, vq, self.res_k[:, :, : self.n_res], self.res_v[:, :, : self.n_res],
                                   scale)
         self.attended = self.logical
@@ -749,18 +739,15 @@ class TailorState(SiteState):
             self.overhead_decode_s += time.perf_counter() - t0
         return out.unsqueeze(2)
 
-    def _chunk(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
+    def extend(self, q, k_new, v_new, attn_mask, scale, is_causal) -> torch.Tensor:
         """Several new tokens on a running sequence (a second chat turn): exact attention over what the
         layer holds (dequantised for a quantised layer), then the tokens join the cache."""
-        from kvpass.kernels.tailorkv import dequantize
-
         t = k_new.shape[2]
-        self.check_keys(k_new, "in a multi-token step", first=self.logical)
         self.prefill_calls += 1
         if self.tier == SPARSE:
             self._host_append(k_new, v_new)
             hk, hv = self.store.views()
-            out = _make_call(q, hk, hv, attn_mask, scale, is_causal, hk.shape[2]).exact()
+            out = make_call(q, hk, hv, attn_mask, scale, is_causal, hk.shape[2]).exact()
             self.logical = hk.shape[2]
             self._load(hk, hv, q.device)
             self._account()
@@ -768,7 +755,7 @@ class TailorState(SiteState):
         kq, vq = self.packed.views()
         k = torch.cat([dequantize(kq, q.dtype), self.res_k[:, :, : self.n_res], k_new], 2)
         v = torch.cat([dequantize(vq, q.dtype), self.res_v[:, :, : self.n_res], v_new], 2)
-        out = _make_call(q, k, v, attn_mask, scale, is_causal, k.shape[2]).exact()
+        out = make_call(q, k, v, attn_mask, scale, is_causal, k.shape[2]).exact()
         # the residual and the new tokens: whole chunks are quantised, the rest stays full precision
         r = self.policy.residual
         fk = torch.cat([self.res_k[:, :, : self.n_res], k_new], 2)

@@ -39,6 +39,9 @@ import random
 import re
 from typing import Any
 
+from kvpass.bench.prompts import topics_text
+from kvpass.models import load_smollm2, smollm2_cache_path
+
 __all__ = ["VARIANTS", "haystack_words", "generate", "tokenizer_for", "sent_split"]
 
 # RULER's template, as in lm_eval/tasks/ruler/niah_utils.py (the generator edits it for one answer).
@@ -64,7 +67,6 @@ SEED = 42
 @functools.lru_cache(maxsize=1)
 def haystack_words() -> tuple[str, ...]:
     """The haystack as lm-eval builds its essay one: the text's words, whitespace collapsed."""
-    from kvpass.bench.perplexity import topics_text
 
     return tuple(re.sub(r"\s+", " ", topics_text()).strip().split(" "))
 
@@ -125,8 +127,6 @@ def tokenizer_for(kwargs: dict) -> Any:
 
     name = resolve_tokenizer_name(kwargs)
     if isinstance(name, str) and name.lower() == "smollm2":
-        from kvpass.models import load_smollm2, smollm2_cache_path
-
         path = smollm2_cache_path()
         if not (path / "kvpass.json").exists():
             load_smollm2()  # converts once into the cache
