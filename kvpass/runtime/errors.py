@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvpass.runtime.call import AttentionCall, SiteInfo
-    from kvpass.runtime.state import SiteState
+    from kvpass.runtime.call import SiteInfo
 
 
 class KVPassError(RuntimeError):
@@ -37,27 +36,6 @@ def non_finite_keys_message(policy_name: str, info: SiteInfo, keys: torch.Tensor
         "bad: run the model in fp32 or bf16 rather than fp16 and check the inputs, or use Full(), which "
         "attends exactly like eager (NaN in, NaN out)"
     )
-
-
-def check_rows_kept(st: SiteState, call: AttentionCall) -> None:
-    """A cache the model keeps (``own_cache=False``, StaticCache) can change between steps without the
-    runtime seeing it: the caller reorders its rows (beam search), or another sequence of the same
-    length stepped on this backend in between (two ``generate`` calls in turn), and the policy's
-    metadata would then score other rows', or another sequence's, keys. The last step's newest key must
-    still be in each row: checked on the device (``_assert_async``, no host sync on CUDA; on CPU a
-    failed check raises at once). Equal keys there are the same sequence (a deeper layer's key depends
-    on the whole prefix), or one whose metadata is the same."""
-    k = call.k
-    prev = st.tail_key
-    # only a step that continues the last one (the same decode step run again, as opcheck does, is not)
-    if (prev is not None and prev.shape[0] == k.shape[0] and call.past == st.length
-            and 0 < call.past <= k.shape[2]):
-        what = REORDERED if k.shape[0] > 1 else INTERLEAVED
-        try:
-            torch._assert_async((k[:, :, call.past - 1] == prev).all(), what)
-        except RuntimeError as e:
-            raise KVPassError(f"{what} ({st.policy.name}, layer {st.info.layer})") from e
-    st.tail_key = k[:, :, call.length - 1].clone()  # (B, H_kv, D): a few hundred numbers per site
 
 
 REORDERED = (

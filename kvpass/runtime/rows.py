@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvpass.runtime.call import AttentionCall, make_call, valid_from_mask
-from kvpass.runtime.errors import KVPassError, check_rows_kept
+from kvpass.runtime.errors import KVPassError
 from kvpass.runtime.store import SAME
 
 if TYPE_CHECKING:
@@ -257,7 +257,7 @@ def run(st: SiteState, call: AttentionCall, static: bool) -> torch.Tensor:
     """:meth:`Runtime.attend` (the model keeps the cache) for a state that does not serve padding itself."""
     split = st.split
     if split is not None and call.past == split.length and call.past:
-        check_rows_kept(st, call)  # the row states cannot see a reorder of the model's cache
+        st.check_rows_kept(call)  # the row states cannot see a reorder of the model's cache
         return split.forward(call, static)
     if st.in_place and call.past == st.length and call.past:
         return st.forward(call, static=static)  # it checks the rows were kept itself

@@ -22,7 +22,7 @@ from kvpass.kernels import cpu_decode
 from kvpass.kernels.sparse_attention import use_dense
 from kvpass.lowering.dispatch import sparse_attention
 from kvpass.runtime.call import AttentionCall, SiteInfo, make_call, profile_range
-from kvpass.runtime.errors import ADOPTED_KEYS, KVPassError, check_rows_kept, non_finite_keys_message
+from kvpass.runtime.errors import ADOPTED_KEYS, INTERLEAVED, REORDERED, KVPassError, non_finite_keys_message
 from kvpass.runtime.padding import Padding
 from kvpass.runtime.store import SAME, OwnedKV, StubRows, reorder_needed
 from kvpass.runtime.workspace import Workspace
@@ -276,7 +276,7 @@ class SiteState:
         if call.start == 0:
             self.reset()
         if not owned and (self.per_row_metadata or not self.rows_native) and self.checks_kept:
-            check_rows_kept(self, call)
+            self.check_rows_kept(call)
         event = call.start == 0 or call.new_tokens > 1 or self.keys_seen < call.past
         call.valid = self.pad.valid(call.attn_mask, call.length, event)
         self.length = call.length
@@ -388,6 +388,26 @@ class SiteState:
     def prefetch(self, q_hat: torch.Tensor, past: int, estimated: bool) -> torch.Tensor:
         """Before this site's fetch, from an estimate of its query (policies that prefetch)."""
         return torch.full((1,), self.steps, dtype=torch.int64, device=q_hat.device)
+
+    def check_rows_kept(self, call: AttentionCall) -> None:
+        """A cache the model keeps (``own_cache=False``, StaticCache) can change between steps without the
+        runtime seeing it: the caller reorders its rows (beam search), or another sequence of the same
+        length stepped on this backend in between (two ``generate`` calls in turn), and the policy's
+        metadata would then score other rows', or another sequence's, keys. The last step's newest key must
+        still be in each row: checked on the device (``_assert_async``, no host sync on CUDA; on CPU a
+        failed check raises at once). Equal keys there are the same sequence (a deeper layer's key depends
+        on the whole prefix), or one whose metadata is the same."""
+        k = call.k
+        prev = self.tail_key
+        # only a step that continues the last one (the same decode step run again, as opcheck does, is not)
+        if (prev is not None and prev.shape[0] == k.shape[0] and call.past == self.length
+                and 0 < call.past <= k.shape[2]):
+            what = REORDERED if k.shape[0] > 1 else INTERLEAVED
+            try:
+                torch._assert_async((k[:, :, call.past - 1] == prev).all(), what)
+            except RuntimeError as e:
+                raise KVPassError(f"{what} ({self.policy.name}, layer {self.info.layer})") from e
+        self.tail_key = k[:, :, call.length - 1].clone()  # (B, H_kv, D): a few hundred numbers per site
 
     def check_keys(self, keys: torch.Tensor, when: str, first: int = 0,
                    unit: str | None = "position") -> None:
