@@ -30,18 +30,16 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from lm_eval.tasks import TaskManager, get_task_dict
 
 from kvpass import Full, KVPassError, kvpass
 from kvpass.bench import lm_eval as le
 from kvpass.bench.common import load_model, parse_ints
+from kvpass.bench.fidelity import _prefill
 from kvpass.bench.lm_eval import SHARED, agreement, batch_summary, loop_agreement, shared_cells
 from kvpass.bench.ruler_tasks import TASKS_DIR
 
 __all__ = ["Request", "requests", "continue_greedy", "run_shared", "agreement", "shared_cells", "run_bench_shared"]
-
-EAGER = "eager"
-
 
 class Request:
     """One lm-eval ``generate_until`` request: the task object, its doc, the context text, the stop
@@ -64,9 +62,6 @@ def requests(tasks: Iterable[str], lengths: list[int], limit: int | None, tokeni
              max_gen_toks: int | None = None, chat_template: Callable | None = None) -> list[Request]:
     """The requests lm-eval would send a model for ``tasks`` (RULER's ``max_seq_lengths`` from
     ``lengths``; the first ``limit`` docs of each task), with lm-eval's prompt construction."""
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-
     meta: dict[str, Any] = {"max_seq_lengths": list(lengths), "tokenizer": tokenizer_dir, "pretrained": tokenizer_dir}
     if limit is not None:
         meta["num_samples"] = limit  # the first N of RULER's samples: the same docs, generated faster
@@ -101,7 +96,7 @@ def _flat(task_dict: dict):
         if isinstance(obj, dict):
             yield from _flat(obj)
         else:
-            yield getattr(name, "group_name", name) if not isinstance(name, str) else name, obj
+            yield getattr(name, "group_name", name), obj  # a group's key is an object, a task's a str
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -179,8 +174,7 @@ def run_shared(model, tokenizer, reqs: list[Request], policies: list, *, max_len
                 if limit:
                     ids = ids[:, -(limit - r.max_gen_toks):]  # HFLM's left truncation
                 t0 = time.perf_counter()
-                out = eager(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-                first, cache = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
+                first, cache = _prefill(eager, ids)  # fidelity's exact prefill: (next token (1, 1), cache)
                 prefill_s = time.perf_counter() - t0
                 for name, p in todo:
                     t1 = time.perf_counter()
